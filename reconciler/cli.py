@@ -1,0 +1,109 @@
+"""The `fleet` command: parses arguments, calls the core, prints, and sets the exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from typing import Callable, Sequence
+
+from . import __version__, config
+from .exitcodes import Exit
+from .render import JSON_FORMAT_VERSION, console, diagnostics_json, print_diagnostics
+
+DEFAULT_CONFIG = "fleet.yaml"
+
+EXIT_CODES_HELP = """exit codes (the same for every command):
+  0  success; for plan: no changes        4  plan refused: at least one plan error
+  1  unexpected failure                   5  another apply holds the lock
+  2  plan --detailed-exitcode: changes    6  saved plan is stale
+  3  invalid configuration                7  apply ran and some actions failed"""
+
+
+def _config_path(args: argparse.Namespace) -> str:
+    return args.file or args.path or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", nargs="?", metavar="FILE", help=argparse.SUPPRESS)
+    p.add_argument("-f", "--file", metavar="FILE",
+                   help=f"the fleet file (default: $FLEET_CONFIG, else ./{DEFAULT_CONFIG})")
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    path = _config_path(args)
+    loaded = config.load(path)
+    errors = sum(1 for d in loaded.diagnostics if d.is_error)
+    warnings = len(loaded.diagnostics) - errors
+    valid = loaded.ok
+    if args.json:
+        print(json.dumps({"format_version": JSON_FORMAT_VERSION, "valid": valid, "error_count": errors,
+                          "warning_count": warnings, "diagnostics": diagnostics_json(loaded.diagnostics)},
+                         indent=2))
+    else:
+        print_diagnostics(console(stderr=True), loaded.diagnostics, loaded.text)
+        if valid:
+            d = loaded.desired
+            assert d is not None
+            summary = (f"{path} is valid: {len(d.nodes)} nodes, {len(d.models)} models, "
+                       f"{len(d.replicas)} replicas, {len(d.clusters)} clusters")
+            if warnings:
+                summary += f" ({warnings} warning{'s' if warnings != 1 else ''})"
+            console(stderr=False).print(f"[green]✓[/] {summary}")
+        else:
+            console(stderr=True).print(
+                f"[red]✗[/] {path}: {errors} error{'s' if errors != 1 else ''}"
+                + (f", {warnings} warning{'s' if warnings != 1 else ''}" if warnings else ""))
+    return Exit.OK if valid else Exit.INVALID_CONFIG
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fleet",
+        description="Declarative reconciler for fleets of GPU inference machines. Describe nodes, "
+                    "models, replicas and clusters in fleet.yaml; fleet checks it, plans the changes "
+                    "against what the node agents report, and applies them.",
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"fleet {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("validate", help="check a fleet file offline (schema and references)",
+                       description="Check a fleet file without contacting any node: the JSON Schema "
+                                   "(schemas/fleet.schema.json), then references and conflicts. "
+                                   "Exit 0 when valid (warnings allowed), 3 when not.",
+                       epilog="example:\n  fleet validate -f fleet.yaml --json > validate.json",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.set_defaults(func=cmd_validate)
+    return parser
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] | None = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return Exit.FAILURE
+    return int(func(args))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        code = run(argv)
+    except KeyboardInterrupt:
+        print("fleet: interrupted", file=sys.stderr)
+        code = 130
+    except BrokenPipeError:
+        code = Exit.FAILURE
+    except Exception as exc:  # a bug: say so plainly; the traceback only when asked for
+        if os.environ.get("FLEET_DEBUG"):
+            traceback.print_exc()
+        print(f"fleet: internal error: {type(exc).__name__}: {exc}\n"
+              "This is a bug in fleet. Run again with FLEET_DEBUG=1 for the traceback and report it.",
+              file=sys.stderr)
+        code = Exit.FAILURE
+    sys.exit(code)

@@ -1,0 +1,281 @@
+"""fleet.yaml → Desired: schema first, then the checks a schema cannot express, each with its place."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import schema, source
+from .diagnostics import Diagnostic, error, format_path, has_errors, warning
+from .model import (DEFAULT_AGENT_PORT, DEFAULT_LISTEN, DEFAULT_STARTUP_TIMEOUT_S, ClusterSpec,
+                    ControlPlaneSpec, Desired, LayerRange, ModelSpec, NodeSpec, ReplicaSpec, Settings,
+                    SpeculativeSpec)
+from .source import Document, YamlPath
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """The outcome of loading a fleet file: the desired state when it is valid, and every
+    diagnostic either way. `digest` identifies the configuration's meaning (not its comments)."""
+
+    filename: str
+    desired: Desired | None
+    diagnostics: tuple[Diagnostic, ...]
+    document: Document | None
+    digest: str | None
+    text: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.desired is not None and not has_errors(self.diagnostics)
+
+
+def load(path: str | Path) -> Loaded:
+    name = str(path)
+    text, diags = source.read_file(path)
+    if text is None:
+        return Loaded(name, None, tuple(diags), None, None)
+    return load_text(text, name)
+
+
+def load_text(text: str, filename: str) -> Loaded:
+    doc, diags = source.parse(text, filename)
+    if doc is None:
+        return Loaded(filename, None, tuple(diags), None, None, text)
+    if not isinstance(doc.data, dict):
+        diags.append(error("schema_violation", "the top level of a fleet file must be a mapping",
+                           "Start from fleet.yaml.example: `version`, `control_plane`, `nodes`, ...",
+                           range=doc.range(())))
+        return Loaded(filename, None, tuple(diags), doc, None, text)
+    diags += schema.validate(doc)
+    if has_errors(diags):
+        return Loaded(filename, None, tuple(diags), doc, None, text)
+    diags += _Checker(doc).run()
+    desired = None if has_errors(diags) else _build(doc.data)
+    digest = "sha256:" + hashlib.sha256(
+        json.dumps(doc.data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return Loaded(filename, desired, tuple(diags), doc, digest, text)
+
+
+class _Checker:
+    """Cross-references and conflicts. Runs only on a schema-valid document, so shapes are known."""
+
+    def __init__(self, doc: Document) -> None:
+        self.doc = doc
+        self.data: dict[str, Any] = doc.data
+        self.nodes: dict[str, Any] = self.data["nodes"]
+        self.models: dict[str, Any] = self.data.get("models", {})
+        self.diags: list[Diagnostic] = []
+
+    def add(self, code: str, path: YamlPath, summary: str, detail: str = "", *, key: bool = False,
+            severity: str = "error") -> None:
+        make = error if severity == "error" else warning
+        self.diags.append(make(code, summary, detail, format_path(path), self.doc.range(path, key=key)))
+
+    def node_ref(self, name: str, path: YamlPath, what: str) -> bool:
+        if name in self.nodes:
+            return True
+        self.add("unknown_node", path, f"{what} names node {name!r}, which is not declared under `nodes`",
+                 _suggest(name, self.nodes, "nodes"))
+        return False
+
+    def model_ref(self, name: str, path: YamlPath, what: str, *, key: bool = False) -> bool:
+        if name in self.models:
+            return True
+        self.add("unknown_model", path, f"{what} names model {name!r}, which is not declared under `models`",
+                 _suggest(name, self.models, "models"), key=key)
+        return False
+
+    def run(self) -> list[Diagnostic]:
+        cp = self.data["control_plane"]["node"]
+        self.node_ref(cp, ("control_plane", "node"), "control_plane.node")
+        self.check_nodes()
+        for name, model in self.models.items():
+            self.node_ref(model["source"], ("models", name, "source"), f"the source of model {name!r}")
+        holders = self.check_replicas()
+        self.check_clusters(holders)
+        return self.diags
+
+    def check_nodes(self) -> None:
+        seen: dict[tuple[str, int], str] = {}
+        for name, node in self.nodes.items():
+            key = (node["address"].lower(), node.get("agent_port", DEFAULT_AGENT_PORT))
+            if key in seen:
+                self.add("address_conflict", ("nodes", name, "address"),
+                         f"nodes {seen[key]!r} and {name!r} both have their agent at {key[0]}:{key[1]}",
+                         "Two nodes cannot share an agent; give each its own address or agent_port.")
+            else:
+                seen[key] = name
+
+    def check_replicas(self) -> dict[str, set[str]]:
+        """Every node that will hold (part of) each model, for the cluster checks."""
+        holders: dict[str, set[str]] = defaultdict(set)
+        for model_name, items in self.data.get("replicas", {}).items():
+            known = self.model_ref(model_name, ("replicas", model_name), "replicas", key=True)
+            model = self.models.get(model_name, {})
+            first_at: dict[str, int] = {}
+            slices: list[tuple[LayerRange, str, YamlPath]] = []
+            for i, item in enumerate(items):
+                node = item if isinstance(item, str) else item["node"]
+                path: YamlPath = ("replicas", model_name, i) + (() if isinstance(item, str) else ("node",))
+                if not self.node_ref(node, path, f"replicas.{model_name}[{i}]"):
+                    continue
+                if node in first_at:
+                    self.add("duplicate_replica", path,
+                             f"node {node!r} is listed twice for model {model_name!r}",
+                             f"First listed at replicas.{model_name}[{first_at[node]}]. A node holds one "
+                             "replica of a model: list it once (with `layers` for a slice).")
+                    continue
+                first_at[node] = i
+                holders[model_name].add(node)
+                if isinstance(item, dict) and "layers" in item:
+                    lpath = ("replicas", model_name, i, "layers")
+                    rng = LayerRange.parse(item["layers"])
+                    if rng.first > rng.last:
+                        self.add("invalid_layers", lpath, f"layer range {item['layers']!r} runs backwards",
+                                 f"Write FIRST-LAST with FIRST <= LAST, e.g. {rng.last}-{rng.first}.")
+                        continue
+                    if known and model.get("format") == "gguf":
+                        self.add("slice_unsupported", lpath,
+                                 f"model {model_name!r} is GGUF: only safetensors models can be sliced by layers")
+                        continue
+                    if known and "layers" in model and rng.last >= model["layers"]:
+                        self.add("slice_out_of_range", lpath,
+                                 f"layers {rng} are outside model {model_name!r}, which has "
+                                 f"{model['layers']} layers (0-{model['layers'] - 1})")
+                        continue
+                    slices.append((rng, node, lpath))
+            self.check_slices(model_name, model, slices)
+        return holders
+
+    def check_slices(self, model_name: str, model: dict[str, Any],
+                     slices: list[tuple[LayerRange, str, YamlPath]]) -> None:
+        if not slices:
+            return
+        slices.sort()
+        expected_next = 0
+        prev: tuple[LayerRange, str, YamlPath] | None = None
+        for rng, node, path in slices:
+            if prev is not None and rng.first <= prev[0].last:
+                self.add("slice_overlap", path,
+                         f"slices of {model_name!r} overlap: {node!r} holds {rng} and {prev[1]!r} holds {prev[0]}",
+                         "Each layer of a sliced model is held by exactly one slice.")
+            elif rng.first > expected_next:
+                missing = LayerRange(expected_next, rng.first - 1)
+                self.add("slice_gap", path, f"slices of {model_name!r} leave layers {missing} unheld",
+                         "The slices of a model must cover its layers from 0 without gaps.")
+            expected_next = max(expected_next, rng.last + 1)
+            prev = (rng, node, path)
+        total = model.get("layers")
+        if total is not None and expected_next < total:
+            self.add("slice_gap", slices[-1][2],
+                     f"slices of {model_name!r} leave layers {LayerRange(expected_next, total - 1)} unheld",
+                     f"Model {model_name!r} has {total} layers; the last slice must end at layer {total - 1}.")
+
+    def check_clusters(self, holders: dict[str, set[str]]) -> None:
+        bound: dict[tuple[str, int], tuple[str, YamlPath]] = {}
+        for name, node in self.nodes.items():
+            bound[(name, node.get("agent_port", DEFAULT_AGENT_PORT))] = (f"the agent of {name!r}",
+                                                                          ("nodes", name, "agent_port"))
+        cp = self.data["control_plane"]
+        listen_port = int(cp.get("listen", DEFAULT_LISTEN).rsplit(":", 1)[1])
+        bound.setdefault((cp["node"], listen_port), ("`fleet serve` (control_plane.listen)",
+                                                     ("control_plane", "listen")))
+        for cname, cluster in self.data.get("clusters", {}).items():
+            base: YamlPath = ("clusters", cname)
+            model_name = cluster["model"]
+            known = self.model_ref(model_name, base + ("model",), f"cluster {cname!r}")
+            seen: dict[str, int] = {}
+            for i, member in enumerate(cluster["members"]):
+                mpath = base + ("members", i)
+                if not self.node_ref(member, mpath, f"clusters.{cname}.members[{i}]"):
+                    continue
+                if member in seen:
+                    self.add("duplicate_member", mpath, f"node {member!r} is listed twice in cluster {cname!r}",
+                             f"First listed at clusters.{cname}.members[{seen[member]}]; a node runs one "
+                             "server per cluster.")
+                    continue
+                seen[member] = i
+                if known and member not in holders.get(model_name, set()) \
+                        and member != self.models[model_name]["source"]:
+                    self.add("member_without_replica", mpath,
+                             f"{member!r} serves {model_name!r} in cluster {cname!r} but holds no replica of it",
+                             f"Add {member!r} to replicas.{model_name}.")
+                port_key = (member, cluster["port"])
+                if port_key in bound:
+                    other, _ = bound[port_key]
+                    self.add("port_conflict", base + ("port",),
+                             f"cluster {cname!r} and {other} both use port {cluster['port']} on node {member!r}")
+                else:
+                    bound[port_key] = (f"cluster {cname!r}", base + ("port",))
+            self.check_speculative(cname, cluster, holders)
+
+    def check_speculative(self, cname: str, cluster: dict[str, Any], holders: dict[str, set[str]]) -> None:
+        spec = cluster.get("settings", {}).get("speculative")
+        if spec is None:
+            return
+        path: YamlPath = ("clusters", cname, "settings", "speculative")
+        mode = spec.get("mode", "draft" if "draft" in spec else None)
+        if mode == "draft" and "draft" not in spec:
+            self.add("speculative_draft_missing", path,
+                     f"cluster {cname!r} asks for draft speculative decoding but names no draft model",
+                     "Add `draft: MODEL`, or use `mode: prompt_lookup`, which needs none.")
+        elif mode is None:
+            self.add("speculative_draft_missing", path,
+                     f"cluster {cname!r} has a `speculative` section with neither `draft` nor `mode`")
+        if "draft" not in spec:
+            return
+        draft = spec["draft"]
+        if not self.model_ref(draft, path + ("draft",), f"the draft of cluster {cname!r}"):
+            return
+        for i, member in enumerate(cluster["members"]):
+            if member in self.nodes and member not in holders.get(draft, set()) \
+                    and member != self.models[draft]["source"]:
+                self.add("draft_not_replicated", ("clusters", cname, "members", i),
+                         f"{member!r} runs cluster {cname!r} with draft model {draft!r} but holds no replica of it",
+                         f"Add {member!r} to replicas.{draft}.")
+
+
+def _suggest(name: str, known: dict[str, Any], section: str) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    if close:
+        return f"Did you mean {close[0]!r}?"
+    return f"Declared {section}: {', '.join(known) or 'none'}."
+
+
+def _build(data: dict[str, Any]) -> Desired:
+    cp = data["control_plane"]
+    nodes = {name: NodeSpec(name=name, address=n["address"], agent_port=n.get("agent_port", DEFAULT_AGENT_PORT),
+                            hostname=n.get("hostname"), identity=n.get("identity"), tls=n.get("tls", False),
+                            available=tuple(n.get("available", ())),
+                            labels=tuple(sorted(n.get("labels", {}).items())))
+             for name, n in data["nodes"].items()}
+    models = {name: ModelSpec(name=name, format=m["format"], digest=m["digest"], source=m["source"],
+                              encrypted=m.get("encrypted", False), layers=m.get("layers"))
+              for name, m in data.get("models", {}).items()}
+    replicas = tuple(
+        ReplicaSpec(model=model, node=item, layers=None) if isinstance(item, str)
+        else ReplicaSpec(model=model, node=item["node"],
+                         layers=LayerRange.parse(item["layers"]) if "layers" in item else None)
+        for model, items in data.get("replicas", {}).items() for item in items)
+    clusters = {}
+    for name, c in data.get("clusters", {}).items():
+        s = c.get("settings", {})
+        spec = s.get("speculative")
+        speculative = None if spec is None else SpeculativeSpec(
+            mode=spec.get("mode", "draft"), draft=spec.get("draft"), tokens=spec.get("tokens"))
+        settings = Settings(context_length=s.get("context_length"), threads=s.get("threads"),
+                            batch_size=s.get("batch_size"), tensor_parallel=s.get("tensor_parallel"),
+                            speculative=speculative,
+                            startup_timeout_s=float(s.get("startup_timeout_s", DEFAULT_STARTUP_TIMEOUT_S)))
+        clusters[name] = ClusterSpec(name=name, model=c["model"], members=tuple(c["members"]), port=c["port"],
+                                     settings=settings)
+    return Desired(version=data["version"],
+                   control_plane=ControlPlaneSpec(node=cp["node"], listen=cp.get("listen", DEFAULT_LISTEN),
+                                                  api_keys_env=cp.get("api_keys_env")),
+                   nodes=nodes, models=models, replicas=replicas, clusters=clusters)

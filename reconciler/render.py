@@ -1,0 +1,64 @@
+"""Diagnostics → text for people (like a compiler: place, source line, caret) or JSON for machines."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from rich.console import Console
+from rich.markup import escape
+
+from .diagnostics import Diagnostic, Severity
+
+JSON_FORMAT_VERSION = "1.0"
+
+
+def console(*, stderr: bool) -> Console:
+    # Colour only on a terminal (rich decides; NO_COLOR and TERM=dumb are honoured); never wrap
+    # lines, so that file:line:col and source lines stay intact in CI logs.
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def diagnostic_lines(diag: Diagnostic, source_text: str | None) -> list[str]:
+    """Rich-markup lines for one diagnostic."""
+    colour = "red" if diag.severity is Severity.ERROR else "yellow"
+    code = escape(f"[{diag.code}]")
+    lines = [f"[bold {colour}]{diag.severity.value}[/][bold]{code}[/]: {escape(diag.summary)}"]
+    if diag.range is not None:
+        lines.append(f"  [blue]-->[/] {escape(str(diag.range))}")
+        if source_text is not None:
+            lines += _excerpt(diag, source_text)
+    elif diag.address:
+        lines.append(f"  [blue]-->[/] {escape(diag.address)}")
+    if diag.detail:
+        lines.append(f"  [blue]=[/] {escape(diag.detail)}")
+    return lines
+
+
+def _excerpt(diag: Diagnostic, text: str) -> list[str]:
+    assert diag.range is not None
+    all_lines = text.splitlines()
+    n = diag.range.start.line
+    if not 1 <= n <= len(all_lines):
+        return []
+    line = all_lines[n - 1].replace("\t", " ")
+    if len(line) > 200:
+        line = line[:200] + "…"
+    col = diag.range.start.column
+    end = diag.range.end.column if diag.range.end.line == n and diag.range.end.column > col else col + 1
+    end = min(end, len(line) + 1) if len(line) >= col else col + 1
+    gutter = " " * len(str(n))
+    colour = "red" if diag.severity is Severity.ERROR else "yellow"
+    return [f"{gutter} [blue]|[/]",
+            f"[blue]{n} |[/] {escape(line)}",
+            f"{gutter} [blue]|[/] {' ' * (col - 1)}[{colour}]{'^' * max(1, end - col)}[/]"]
+
+
+def print_diagnostics(out: Console, diags: Iterable[Diagnostic], source_text: str | None) -> None:
+    for diag in diags:
+        for line in diagnostic_lines(diag, source_text):
+            out.print(line)
+        out.print()
+
+
+def diagnostics_json(diags: Iterable[Diagnostic]) -> list[dict[str, Any]]:
+    return [d.to_json() for d in diags]

@@ -1,0 +1,143 @@
+"""The JSON Schema of fleet.yaml, and its errors turned into diagnostics addressed by YAML path."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError, best_match
+
+from .diagnostics import Diagnostic, error, format_path
+from .source import Document
+
+_TYPE_NAMES = {"object": "a mapping", "array": "a list", "string": "a string", "integer": "an integer",
+               "number": "a number", "boolean": "true or false", "null": "empty"}
+
+
+def schema_path(name: str) -> Path:
+    """Where a schema file lives: inside the installed package, or in the source tree's schemas/."""
+    packaged = resources.files("reconciler").joinpath("_schemas", name)
+    if packaged.is_file():
+        return Path(str(packaged))
+    return Path(__file__).resolve().parent.parent / "schemas" / name
+
+
+@cache
+def load_schema(name: str = "fleet.schema.json") -> dict[str, Any]:
+    return json.loads(schema_path(name).read_text(encoding="utf-8"))
+
+
+@cache
+def _validator() -> Draft202012Validator:
+    return Draft202012Validator(load_schema())
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "empty"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        shown = value if len(value) <= 60 else value[:57] + "..."
+        return f"the string {shown!r}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _resolve(subschema: Any) -> dict[str, Any]:
+    root = load_schema()
+    while isinstance(subschema, dict) and "$ref" in subschema and "description" not in subschema:
+        ref = subschema["$ref"]
+        if not ref.startswith("#/$defs/"):
+            break
+        subschema = root["$defs"][ref.removeprefix("#/$defs/")]
+    return subschema if isinstance(subschema, dict) else {}
+
+
+def _description(err: ValidationError) -> str:
+    e: ValidationError | None = err
+    while e is not None:
+        desc = _resolve(e.schema).get("description")
+        if desc:
+            return str(desc)
+        e = e.parent
+    return ""
+
+
+def validate(doc: Document) -> list[Diagnostic]:
+    diags: list[Diagnostic] = []
+    for err in sorted(_validator().iter_errors(doc.data), key=lambda e: [str(p) for p in e.absolute_path]):
+        if err.validator in ("oneOf", "anyOf") and err.context and isinstance(err.instance, (dict, list)):
+            # A mapping or list took the structured branch (e.g. {node, layers}): report why that
+            # branch failed, not that "it is not a string either".
+            relevant = [e for e in err.context if e.validator != "type"]
+            if relevant:
+                err = best_match(relevant)
+        diags.extend(_translate(doc, err))
+    return diags
+
+
+def _translate(doc: Document, err: ValidationError) -> list[Diagnostic]:
+    path = tuple(err.absolute_path)
+    where = format_path(path) or "the top level"
+    instance = err.instance
+    detail = _description(err)
+    kind = err.validator
+
+    if kind == "additionalProperties" and isinstance(instance, dict):
+        allowed = sorted(_resolve(err.schema).get("properties", {}))
+        out = []
+        for key in instance:
+            if key in allowed:
+                continue
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f"Did you mean {close[0]!r}? " if close else ""
+            out.append(error("schema_violation", f"unknown field {key!r} in {where}",
+                             f"{hint}Allowed here: {', '.join(allowed)}.",
+                             address=format_path(path + (key,)),
+                             range=doc.range(path + (key,), key=True)))
+        return out
+    if kind == "required" and isinstance(instance, dict):
+        props = _resolve(err.schema).get("properties", {})
+        out = []
+        for key in err.validator_value:
+            if key in instance:
+                continue
+            field_desc = _resolve(props.get(key, {})).get("description", "")
+            out.append(error("schema_violation", f"{where} is missing the required field {key!r}",
+                             field_desc, address=format_path(path), range=doc.range(path, key=True)))
+        return out
+    if kind == "propertyNames":
+        # jsonschema reports the offending key as the instance, at the mapping's path.
+        key = str(instance)
+        return [error("schema_violation", f"{key!r} is not a valid name in {where}", _description(err)
+                      or "Names are 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit.",
+                      address=format_path(path + (key,)), range=doc.range(path + (key,), key=True))]
+    if kind == "type":
+        expected = err.validator_value
+        names = [_TYPE_NAMES.get(t, t) for t in (expected if isinstance(expected, list) else [expected])]
+        summary = f"{where} must be {' or '.join(names)}, not {_describe(instance)}"
+    elif kind in ("const", "enum"):
+        options = [err.validator_value] if kind == "const" else list(err.validator_value)
+        summary = f"{where} must be {' or '.join(json.dumps(o) for o in options)}, not {_describe(instance)}"
+    elif kind in ("pattern", "anyOf", "oneOf", "format"):
+        summary = f"{where}: {_describe(instance)} is not valid here"
+    elif kind in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        bound = {"minimum": "at least", "maximum": "at most", "exclusiveMinimum": "more than",
+                 "exclusiveMaximum": "less than"}[kind]
+        summary = f"{where} must be {bound} {err.validator_value}, not {instance!r}"
+    elif kind in ("minItems", "minProperties"):
+        summary = f"{where} must not be empty"
+    elif kind in ("minLength", "maxLength", "maxItems"):
+        summary = f"{where}: {err.message}"
+    else:
+        summary = f"{where}: {err.message}"
+    return [error("schema_violation", summary, detail, address=format_path(path), range=doc.range(path))]

@@ -1,0 +1,243 @@
+"""Read a fleet file: bytes → text → YAML values with the line/column of every key and value."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .diagnostics import Diagnostic, Pos, SourceRange, error, format_path
+
+YamlPath = tuple[str | int, ...]
+
+# A fleet of thousands of nodes is well under 1 MiB; a file 16 times that is a mistake (a log,
+# a model file), and reading it whole would be the first of several copies in memory.
+MAX_BYTES = 16 * 1024 * 1024
+# Anchors and aliases can expand a small file exponentially ("billion laughs"); a real fleet file
+# of 10,000 nodes has about 100,000 YAML nodes.
+MAX_NODES = 1_000_000
+MAX_DEPTH = 64
+
+
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """SafeLoader with YAML 1.2 core scalars: `19:00` stays a string (not the base-60 int 1140),
+    `no`/`on` stay strings (not booleans), dates stay strings."""
+
+
+_Loader.yaml_implicit_resolvers = {}
+for _tag, _regexp, _first in (
+    ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("tag:yaml.org,2002:int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+    ("tag:yaml.org,2002:float",
+     r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+     "-+0123456789."),
+    ("tag:yaml.org,2002:null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+):
+    _Loader.add_implicit_resolver(_tag, re.compile(_regexp), list(_first))
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """A parsed fleet file. `marks` holds the range of each value by its YAML path, `key_marks`
+    the range of the key that introduced it."""
+
+    filename: str
+    text: str
+    data: Any
+    marks: dict[YamlPath, tuple[Pos, Pos]] = field(default_factory=dict)
+    key_marks: dict[YamlPath, tuple[Pos, Pos]] = field(default_factory=dict)
+
+    def range(self, path: YamlPath, *, key: bool = False) -> SourceRange | None:
+        """The range of the value at `path` (or of its key); the nearest enclosing one if absent."""
+        table = self.key_marks if key else self.marks
+        p = tuple(path)
+        while True:
+            if p in table:
+                start, end = table[p]
+                return SourceRange(self.filename, start, end)
+            if p in self.marks:
+                start, end = self.marks[p]
+                return SourceRange(self.filename, start, end)
+            if not p:
+                return None
+            p = p[:-1]
+
+
+def _pos(mark: Any) -> Pos:
+    return Pos(mark.line + 1, mark.column + 1)
+
+
+def _offset_pos(text: bytes, offset: int) -> Pos:
+    line = text.count(b"\n", 0, offset) + 1
+    column = offset - (text.rfind(b"\n", 0, offset) + 1) + 1
+    return Pos(line, column)
+
+
+def read_file(path: str | Path) -> tuple[str | None, list[Diagnostic]]:
+    """The file's text, or a diagnostic saying in plain words why there is none."""
+    p = Path(path)
+    name = str(path)
+    try:
+        if p.is_dir():
+            return None, [error("config_is_directory", f"{name} is a directory, not a fleet file",
+                                "Give the fleet file itself, for example -f fleet.yaml.")]
+        size = p.stat().st_size
+        if size > MAX_BYTES:
+            return None, [error(
+                "config_too_large",
+                f"{name} is {size / 1048576:.1f} MiB; a fleet file may be at most {MAX_BYTES // 1048576} MiB",
+                "Is this the right file? A fleet of thousands of nodes fits in well under 1 MiB.")]
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        return None, [error("config_not_found", f"no such file: {name}",
+                            "Give the fleet file with -f FILE (default: fleet.yaml in the current directory).")]
+    except PermissionError:
+        return None, [error("config_unreadable", f"permission denied reading {name}")]
+    except OSError as exc:
+        return None, [error("config_unreadable", f"cannot read {name}: {exc.strerror or exc}")]
+    raw = raw[len(b"\xef\xbb\xbf"):] if raw.startswith(b"\xef\xbb\xbf") else raw
+    nul = raw.find(b"\x00")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        nul = exc.start if nul < 0 else min(nul, exc.start)
+        text = None
+    if nul >= 0 or text is None:
+        where = _offset_pos(raw, nul)
+        return None, [error("config_not_text",
+                            f"{name} is not a UTF-8 text file (byte {nul} at line {where.line}, column {where.column})",
+                            "A fleet file is YAML text. Is this a model or archive file?",
+                            range=SourceRange(name, where, where))]
+    return text, []
+
+
+def parse(text: str, filename: str) -> tuple[Document | None, list[Diagnostic]]:
+    """YAML text → Document. Syntax errors and duplicate keys are diagnostics with their place."""
+    loader = _Loader(text)
+    try:
+        root = loader.get_single_node()
+    except yaml.MarkedYAMLError as exc:
+        return None, [_syntax_diagnostic(exc, filename)]
+    except yaml.reader.ReaderError as exc:  # a control character: it has an offset, not a mark
+        where = _offset_pos(text.encode("utf-8"), len(text[:exc.position].encode("utf-8")))
+        return None, [error("yaml_syntax", f"character {exc.character!r} is not allowed in YAML text",
+                            "Control characters other than tab and newline cannot appear in a YAML file.",
+                            range=SourceRange(filename, where, where))]
+    except yaml.YAMLError as exc:  # any other error without a mark
+        return None, [error("yaml_syntax", f"invalid YAML: {exc}",
+                            range=SourceRange(filename, Pos(1, 1), Pos(1, 1)))]
+    finally:
+        loader.dispose()
+    if root is None:
+        return None, [error("config_empty", f"{filename} holds no YAML document",
+                             "Start from fleet.yaml.example: a fleet file needs at least `version`, "
+                             "`control_plane` and `nodes`.",
+                             range=SourceRange(filename, Pos(1, 1), Pos(1, 1)))]
+    builder = _Builder(loader, filename)
+    try:
+        data = builder.build(root, ())
+    except _TooComplex as exc:
+        return None, [error("yaml_too_complex", str(exc),
+                            "Anchors and aliases may not expand the file past "
+                            f"{MAX_NODES:,} values or {MAX_DEPTH} levels of nesting.",
+                            range=SourceRange(filename, exc.pos, exc.pos))]
+    doc = Document(filename, text, data, builder.marks, builder.key_marks)
+    return doc, builder.diagnostics
+
+
+def _syntax_diagnostic(exc: yaml.MarkedYAMLError, filename: str) -> Diagnostic:
+    mark = exc.problem_mark or exc.context_mark
+    pos = _pos(mark) if mark else Pos(1, 1)
+    problem = exc.problem or "invalid YAML"
+    detail = ""
+    if "'\\t'" in problem or "tab character" in problem:
+        problem = "a tab character where YAML expects indentation or a value"
+        detail = "YAML indents with spaces only: replace the tab with spaces."
+    elif "mapping values are not allowed" in problem:
+        detail = ("Usually a key indented differently from the keys above it, or a value holding "
+                  "': ' that needs quotes.")
+    elif exc.context:
+        detail = f"{exc.context}"
+        if exc.context_mark and exc.problem_mark and exc.context_mark.line != exc.problem_mark.line:
+            detail += f" (line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1})"
+    return error("yaml_syntax", f"YAML syntax error: {problem}", detail,
+                 range=SourceRange(filename, pos, pos))
+
+
+_PLAIN_TAGS = frozenset({"tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"})
+
+
+class _TooComplex(Exception):
+    def __init__(self, message: str, pos: Pos) -> None:
+        super().__init__(message)
+        self.pos = pos
+
+
+class _Builder:
+    """Constructs plain Python values from the node tree, recording marks and duplicate keys.
+    Keys are taken as written (`no:` is the string "no"), since every key in a fleet file is a name."""
+
+    def __init__(self, loader: Any, filename: str) -> None:
+        self.loader = loader
+        self.filename = filename
+        self.marks: dict[YamlPath, tuple[Pos, Pos]] = {}
+        self.key_marks: dict[YamlPath, tuple[Pos, Pos]] = {}
+        self.diagnostics: list[Diagnostic] = []
+        self.count = 0
+
+    def build(self, node: yaml.Node, path: YamlPath) -> Any:
+        self.count += 1
+        if self.count > MAX_NODES:
+            raise _TooComplex(f"the YAML expands to more than {MAX_NODES:,} values", _pos(node.start_mark))
+        if len(path) > MAX_DEPTH:
+            raise _TooComplex(f"the YAML nests deeper than {MAX_DEPTH} levels (a recursive alias?)",
+                              _pos(node.start_mark))
+        self.marks.setdefault(path, (_pos(node.start_mark), _pos(node.end_mark)))
+        if not isinstance(node, yaml.ScalarNode) and node.tag not in _PLAIN_TAGS:
+            self.diagnostics.append(error(
+                "yaml_syntax", f"unsupported YAML tag {node.tag!r}",
+                "Fleet files hold plain strings, numbers, booleans, lists and mappings.",
+                address=format_path(path),
+                range=SourceRange(self.filename, _pos(node.start_mark), _pos(node.end_mark))))
+            return None
+        if isinstance(node, yaml.MappingNode):
+            self.loader.flatten_mapping(node)  # resolves `<<` merge keys
+            result: dict[str, Any] = {}
+            first_seen: dict[str, Pos] = {}
+            for key_node, value_node in node.value:
+                key_start = _pos(key_node.start_mark)
+                if not isinstance(key_node, yaml.ScalarNode):
+                    self.diagnostics.append(error(
+                        "yaml_syntax", "a mapping key must be a plain name, not a list or mapping",
+                        address=format_path(path),
+                        range=SourceRange(self.filename, key_start, _pos(key_node.end_mark))))
+                    continue
+                key = str(key_node.value)
+                child = path + (key,)
+                if key in first_seen:
+                    first = first_seen[key]
+                    self.diagnostics.append(error(
+                        "duplicate_key", f"duplicate key {key!r} in {format_path(path) or 'the top level'}",
+                        f"{key!r} is first defined at line {first.line}, column {first.column}; "
+                        "YAML parsers silently keep only one of them.",
+                        address=format_path(child),
+                        range=SourceRange(self.filename, key_start, _pos(key_node.end_mark))))
+                    continue
+                first_seen[key] = key_start
+                self.key_marks[child] = (key_start, _pos(key_node.end_mark))
+                result[key] = self.build(value_node, child)
+            return result
+        if isinstance(node, yaml.SequenceNode):
+            return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except yaml.MarkedYAMLError as exc:  # an explicit tag such as !!binary or !!python/…
+            self.diagnostics.append(error(
+                "yaml_syntax", f"unsupported YAML value: {exc.problem or exc}",
+                "Fleet files hold plain strings, numbers, booleans, lists and mappings.",
+                address=format_path(path),
+                range=SourceRange(self.filename, _pos(node.start_mark), _pos(node.end_mark))))
+            return None

@@ -1,0 +1,32 @@
+"""Shared fixtures: the repository root, and running the `fleet` CLI in-process or as a process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def fleet_bin(name: str = "fleet") -> str:
+    """The console script installed beside this interpreter (what a user runs)."""
+    path = BIN / name
+    assert path.exists(), f"{path} is missing: install the project (pip install -e '.[dev]')"
+    return str(path)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
+            cwd: Path | None = None, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([fleet_bin(), *args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, cwd=cwd, input=input)
+
+
+@pytest.fixture
+def root() -> Path:
+    return ROOT
