@@ -1,8 +1,185 @@
-"""The `fleet-agent` command."""
+"""The `fleet-agent` command: enroll, serve, doctor."""
 
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
 import sys
+from pathlib import Path
+from typing import Sequence
+
+from . import __version__, environment, identity, inventory
+from .windows import Window
+
+DEFAULT_HOME = "/var/lib/fleet-agent"
+DEFAULT_PORT = 7070
+EXIT_REFUSED = 3  # the environment or the flags make starting pointless: said why, started nothing
 
 
-def main() -> None:
-    print("fleet-agent: not built yet", file=sys.stderr)
-    sys.exit(1)
+class Refused(Exception):
+    """A reason not to start, said in full."""
+
+
+def _home(args: argparse.Namespace) -> Path:
+    return Path(args.home or os.environ.get("FLEET_AGENT_HOME") or DEFAULT_HOME)
+
+
+def cmd_enroll(args: argparse.Namespace) -> int:
+    home = _home(args)
+    name = args.name or socket.gethostname()
+    try:
+        ident, created = identity.enroll(home, name, __version__)
+    except (OSError, identity.NotEnrolled) as exc:
+        raise Refused(f"cannot enrol under {home}: {exc}") from None
+    if created:
+        print(f"enrolled node {ident.name!r} with identity {ident.id} under {home}")
+        print(f"pin it in fleet.yaml:  nodes.<name>.identity: {ident.id}")
+    else:
+        print(f"already enrolled: node {ident.name!r}, identity {ident.id} (since {ident.enrolled_at}); "
+              f"nothing changed under {home}")
+    return 0
+
+
+def _secret() -> bytes:
+    raw = os.environ.get("FLEET_CLUSTER_SECRET")
+    if not raw:
+        raise Refused("FLEET_CLUSTER_SECRET is not set: every agent and the control plane share one "
+                      "cluster secret (at least 16 bytes), e.g. from `openssl rand -hex 32`")
+    secret = raw.encode()
+    from .app import MIN_SECRET_BYTES
+
+    if len(secret) < MIN_SECRET_BYTES:
+        raise Refused(f"FLEET_CLUSTER_SECRET is {len(secret)} bytes; it must be at least {MIN_SECRET_BYTES}")
+    return secret
+
+
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise Refused(f"--listen {text!r}: expected ADDRESS:PORT, e.g. 127.0.0.2:{DEFAULT_PORT}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    home = _home(args)
+    secret = _secret()
+    try:
+        ident = identity.load(home)
+    except identity.NotEnrolled as exc:
+        raise Refused(str(exc)) from None
+    problems = [f for f in environment.directory_findings(home) if f.level == "error"]
+    if problems:
+        raise Refused("; ".join(f.message for f in problems) +
+                      ". Fix the permissions (or point HF_HOME/TORCH_HOME/LLAMA_CACHE elsewhere) and start again.")
+    try:
+        wins = tuple(Window.parse(w) for w in args.available or ())
+    except ValueError as exc:
+        raise Refused(f"--available: {exc}") from None
+    try:
+        probe: inventory.GpuProbe = (inventory.SimulatedGpus(Path(args.simulate_gpus)) if args.simulate_gpus
+                                     else inventory.default_probe())
+    except ValueError as exc:
+        raise Refused(str(exc)) from None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise Refused("--tls-cert and --tls-key go together")
+    host, port = _listen(args.listen)
+
+    from .app import AgentContext, create_app
+    from .server import serve
+
+    ctx = AgentContext(home=home, identity=ident, secret=secret, version=__version__, gpu_probe=probe,
+                       windows=wins)
+    return serve(create_app(ctx), host, port, ident, tls_cert=args.tls_cert, tls_key=args.tls_key)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    home = _home(args)
+    probe = inventory.SimulatedGpus(Path(args.simulate_gpus)) if args.simulate_gpus else inventory.default_probe()
+    gpus = probe.gpus()
+    eng = environment.engines()
+    findings = environment.directory_findings(home)
+    findings += environment.variant_findings(len(gpus), probe.note, eng,
+                                             environment.llama_gpu_offload() if eng["llama_cpp"] else None)
+    try:
+        ident = identity.load(home)
+        findings.insert(0, environment.Finding("ok", "identity", f"enrolled as {ident.name!r} ({ident.id})"))
+    except identity.NotEnrolled as exc:
+        findings.insert(0, environment.Finding("warning", "identity", str(exc)))
+    gpu_line = ", ".join(f"{g.name} ({g.memory_free_bytes / 2**30:.1f} of {g.memory_total_bytes / 2**30:.1f} GiB free)"
+                         for g in gpus) or f"none ({probe.note})"
+    findings.insert(1, environment.Finding("ok", "gpus", f"GPUs via {probe.source}: {gpu_line}"))
+    if args.json:
+        print(json.dumps([{"level": f.level, "check": f.check, "message": f.message} for f in findings], indent=2))
+    else:
+        marks = {"ok": "ok  ", "warning": "warn", "error": "FAIL"}
+        for f in findings:
+            print(f"[{marks[f.level]}] {f.message}")
+    return 1 if any(f.level == "error" for f in findings) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fleet-agent",
+        description="The fleet node agent: reports what this machine has and does what the control "
+                    "plane asks. It never registers itself anywhere; add the node to fleet.yaml.",
+        epilog="exit codes: 0 ok, 1 unexpected failure or failed checks, 2 usage, 3 refused to start "
+               "(the reason is printed)")
+    parser.add_argument("--version", action="version", version=f"fleet-agent {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    home_help = f"the agent's home: identity and weights (default: $FLEET_AGENT_HOME, else {DEFAULT_HOME})"
+
+    p = sub.add_parser("enroll", help="write this node's identity, once",
+                       description="Write this node's identity (a random id, its name, when, the agent "
+                                   "version) under the home, readable only by its owner. Enrolling again "
+                                   "changes nothing and prints the identity already held.")
+    p.add_argument("--home", help=home_help)
+    p.add_argument("--name", help="the node's name (default: the host name)")
+    p.set_defaults(func=cmd_enroll)
+
+    p = sub.add_parser("serve", help="run the agent's HTTP API",
+                       description="Serve the agent API. Needs FLEET_CLUSTER_SECRET (16 bytes or more) "
+                                   "and an enrolled home; refuses to start, saying why, otherwise.")
+    p.add_argument("--home", help=home_help)
+    p.add_argument("--listen", default=f"0.0.0.0:{DEFAULT_PORT}", metavar="ADDR:PORT",
+                   help=f"address and port to listen on (default 0.0.0.0:{DEFAULT_PORT})")
+    p.add_argument("--available", action="append", metavar="HH:MM-HH:MM",
+                   help="a daily window (local time) in which the control plane may change this node; "
+                        "repeatable; may cross midnight (19:00-07:00). Default: always")
+    p.add_argument("--simulate-gpus", metavar="FILE",
+                   help="take the GPU list from a JSON file instead of NVML (tests, benchmarks); the "
+                        "state then says simulated: true")
+    p.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("doctor", help="check this machine: directories, GPUs, engine builds",
+                       description="Print the start-up checks (writable home and engine caches) and the "
+                                   "variant check (GPU present with a CPU-only build, or the reverse).")
+    p.add_argument("--home", help=home_help)
+    p.add_argument("--simulate-gpus", metavar="FILE", help="take the GPU list from a JSON file")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="fleet-agent: %(message)s", stream=sys.stderr)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        sys.exit(2)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        code = args.func(args)
+    except Refused as exc:
+        print(f"fleet-agent: refusing to start: {exc}" if args.command == "serve" else f"fleet-agent: {exc}",
+              file=sys.stderr)
+        code = EXIT_REFUSED
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)

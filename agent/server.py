@@ -1,0 +1,52 @@
+"""Run the agent's ASGI app under hypercorn on trio until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+from starlette.types import ASGIApp
+
+from .identity import Identity
+
+log = logging.getLogger("fleet-agent")
+
+
+def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, tls_cert: str | None = None,
+          tls_key: str | None = None) -> int:
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None  # requests carry the cluster secret in a header: log none of them
+    config.errorlog = log
+    config.graceful_timeout = 5
+    if tls_cert and tls_key:
+        config.certfile, config.keyfile = tls_cert, tls_key
+    scheme = "https" if tls_cert else "http"
+
+    async def main() -> None:
+        shutdown = trio.Event()
+
+        async def on_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    log.info("%s received: stopping", signal.Signals(signum).name)
+                    shutdown.set()
+                    return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_signal)
+            log.info("node %r (identity %s) listening on %s://%s", ident.name, ident.id, scheme, config.bind[0])
+            await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    except OSError as exc:
+        print(f"fleet-agent: refusing to start: cannot listen on {config.bind[0]}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 3
+    return 0

@@ -1,0 +1,133 @@
+"""AgentClient: the control plane's side of the agent API, over httpx on trio. Every failure
+becomes one of our errors naming the node; each says whether retrying later can help."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import Any
+
+import httpx
+from jsonschema import Draft202012Validator
+
+from .diagnostics import format_path
+from .model import NodeSpec
+from .schema import load_schema
+
+
+class AgentError(Exception):
+    """A failed call to one node's agent. `code` is the stable diagnostic code."""
+
+    code = "agent_error"
+    retryable = False
+
+    def __init__(self, node: NodeSpec, message: str) -> None:
+        super().__init__(message)
+        self.node = node
+        self.message = message
+
+
+class NodeUnreachable(AgentError):
+    code = "node_unreachable"
+    retryable = True
+
+    def __init__(self, node: NodeSpec, cause: str) -> None:
+        super().__init__(node, f"node {node.name!r} at {node.address}:{node.agent_port} did not answer: {cause}")
+        self.cause = cause
+
+
+class NodeAuthRejected(AgentError):
+    code = "node_auth_rejected"
+
+    def __init__(self, node: NodeSpec, reason: str) -> None:
+        super().__init__(node, f"node {node.name!r} at {node.address}:{node.agent_port} rejected the cluster "
+                               f"secret: {reason}")
+
+
+class AgentProtocolError(AgentError):
+    code = "agent_protocol_error"
+
+    def __init__(self, node: NodeSpec, problem: str, field: str = "") -> None:
+        where = f" (field {field})" if field else ""
+        super().__init__(node, f"node {node.name!r} at {node.address}:{node.agent_port} answered "
+                               f"malformed state{where}: {problem}")
+        self.field = field
+
+
+class AgentHTTPError(AgentError):
+    code = "agent_error"
+
+    def __init__(self, node: NodeSpec, status: int, message: str) -> None:
+        super().__init__(node, f"node {node.name!r} answered HTTP {status}: {message}")
+        self.status = status
+        self.retryable = status >= 500
+
+
+@cache
+def _state_validator() -> Draft202012Validator:
+    return Draft202012Validator(load_schema("agent-state.schema.json"))
+
+
+def _cause(exc: httpx.TransportError) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return f"timed out ({type(exc).__name__})"
+    text = str(exc) or type(exc).__name__
+    if "Connection refused" in text or "Errno 111" in text:
+        return "connection refused (is fleet-agent running there?)"
+    if "Name or service not known" in text or "nodename nor servname" in text or "Temporary failure in name" in text:
+        return f"the address does not resolve ({text})"
+    return text
+
+
+class AgentClient:
+    """One client for all nodes. The transport is injectable (httpx.ASGITransport for in-process tests)."""
+
+    def __init__(self, secret: str, *, timeout: float = 10.0, transport: httpx.AsyncBaseTransport | None = None,
+                 verify: bool | str = True, max_connections: int = 100) -> None:
+        self._http = httpx.AsyncClient(
+            headers={"Authorization": f"Bearer {secret}"}, timeout=timeout, transport=transport, verify=verify,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AgentClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def request(self, node: NodeSpec, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = await self._http.request(method, node.agent_url + path, **kwargs)
+        except httpx.TransportError as exc:
+            raise NodeUnreachable(node, _cause(exc)) from None
+        if response.status_code == 401:
+            raise NodeAuthRejected(node, _error_message(response) or "401 Unauthorized")
+        if response.status_code >= 400:
+            raise AgentHTTPError(node, response.status_code, _error_message(response) or response.reason_phrase)
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise AgentProtocolError(node, f"not JSON ({exc})") from None
+
+    async def state(self, node: NodeSpec) -> dict[str, Any]:
+        data = await self.request(node, "GET", "/v1/state")
+        errors = sorted(_state_validator().iter_errors(data), key=lambda e: len(e.absolute_path))
+        if errors:
+            err = errors[0]
+            field = format_path(tuple(err.absolute_path))
+            if err.validator == "required":
+                missing = [k for k in err.validator_value if k not in err.instance]
+                field = format_path(tuple(err.absolute_path) + (missing[0],)) if missing else field
+                raise AgentProtocolError(node, "a required field is missing", field)
+            raise AgentProtocolError(node, err.message, field)
+        return data  # type: ignore[no-any-return]
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        return str(body["error"]["message"])
+    except Exception:
+        return response.text[:200]
