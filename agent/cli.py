@@ -182,4 +182,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         code = EXIT_REFUSED
     except KeyboardInterrupt:
         code = 130
+    except Exception as exc:  # a bug: say so plainly; the traceback only when asked for
+        if os.environ.get("FLEET_DEBUG"):
+            raise
+        print(f"fleet-agent: internal error: {type(exc).__name__}: {exc}\n"
+              "This is a bug in fleet. Run again with FLEET_DEBUG=1 for the traceback and report it.",
+              file=sys.stderr)
+        code = 1
     sys.exit(code)

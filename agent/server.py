@@ -45,8 +45,21 @@ def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, tls_cert: str 
 
     try:
         trio.run(main)
-    except OSError as exc:
-        print(f"fleet-agent: refusing to start: cannot listen on {config.bind[0]}: {exc.strerror or exc}",
-              file=sys.stderr)
+    except (OSError, BaseExceptionGroup) as exc:  # a bind failure (port in use, bad address), maybe grouped
+        os_error = _first_os_error(exc)
+        if os_error is None:
+            raise
+        reason = os_error.strerror or str(os_error)
+        print(f"fleet-agent: refusing to start: cannot listen on {config.bind[0]}: {reason}", file=sys.stderr)
         return 3
     return 0
+
+
+def _first_os_error(exc: BaseException) -> OSError | None:
+    if isinstance(exc, OSError):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):
+        found = _first_os_error(inner)
+        if found is not None:
+            return found
+    return None

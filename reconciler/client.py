@@ -3,7 +3,9 @@ becomes one of our errors naming the node; each says whether retrying later can 
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
 from functools import cache
 from typing import Any
 
@@ -68,15 +70,37 @@ def _state_validator() -> Draft202012Validator:
     return Draft202012Validator(load_schema("agent-state.schema.json"))
 
 
+_ERRNO_CAUSES = {
+    errno.ECONNREFUSED: "connection refused (is fleet-agent running there?)",
+    errno.EHOSTUNREACH: "no route to host",
+    errno.ENETUNREACH: "network unreachable",
+    errno.ETIMEDOUT: "connection timed out",
+    errno.ECONNRESET: "connection reset by peer",
+}
+
+
+def _os_errors(exc: BaseException | None, seen: set[int] | None = None) -> list[OSError]:
+    """Every OSError in an exception's chain and groups (trio reports a failed connect to each
+    address as a group under one "all attempts failed" error)."""
+    seen = set() if seen is None else seen
+    if exc is None or id(exc) in seen:
+        return []
+    seen.add(id(exc))
+    found = [exc] if isinstance(exc, OSError) else []
+    for inner in getattr(exc, "exceptions", ()):
+        found += _os_errors(inner, seen)
+    return found + _os_errors(exc.__cause__, seen) + _os_errors(exc.__context__, seen)
+
+
 def _cause(exc: httpx.TransportError) -> str:
     if isinstance(exc, httpx.TimeoutException):
         return f"timed out ({type(exc).__name__})"
-    text = str(exc) or type(exc).__name__
-    if "Connection refused" in text or "Errno 111" in text:
-        return "connection refused (is fleet-agent running there?)"
-    if "Name or service not known" in text or "nodename nor servname" in text or "Temporary failure in name" in text:
-        return f"the address does not resolve ({text})"
-    return text
+    for os_error in _os_errors(exc):
+        if isinstance(os_error, socket.gaierror):
+            return f"the address does not resolve ({os_error.strerror or os_error})"
+        if os_error.errno in _ERRNO_CAUSES:
+            return _ERRNO_CAUSES[os_error.errno]
+    return str(exc) or type(exc).__name__
 
 
 class AgentClient:

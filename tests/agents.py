@@ -1,0 +1,98 @@
+"""Real fleet-agent processes on their own loopback addresses, for tests and the demo's checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import fleet_bin
+
+SECRET = "test-cluster-secret-0123456789"
+
+
+def free_port(*addresses: str) -> int:
+    """A port that is free on every one of `addresses` (so cluster members can share it)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((addresses[0], 0))
+            port = s.getsockname()[1]
+        try:
+            for addr in addresses:
+                with socket.socket() as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind((addr, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no port free on all of " + ", ".join(addresses))
+
+
+def agent_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "FLEET_CLUSTER_SECRET": SECRET}
+    env.update(extra)
+    return env
+
+
+def enroll(home: Path, name: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([fleet_bin("fleet-agent"), "enroll", "--home", str(home), "--name", name],
+                          capture_output=True, text=True, env=agent_env(), timeout=30, check=True)
+
+
+@dataclass
+class Agent:
+    name: str
+    address: str
+    port: int
+    home: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}:{self.port}"
+
+    def start(self, timeout: float = 30) -> Agent:
+        if not (self.home / "identity.json").exists():
+            enroll(self.home, self.name)
+        log = open(self.home.parent / f"{self.name}.log", "a")
+        self.proc = subprocess.Popen(
+            [fleet_bin("fleet-agent"), "serve", "--home", str(self.home), "--listen", f"{self.address}:{self.port}",
+             *self.args], env=agent_env(**self.env), stdout=log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent {self.name} exited with {self.proc.returncode}: {self.log()}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"agent {self.name} did not answer within {timeout}s: {self.log()}")
+
+    def log(self) -> str:
+        path = self.home.parent / f"{self.name}.log"
+        return path.read_text() if path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout)
+
+    def get(self, path: str, secret: str | None = SECRET) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {secret}"} if secret is not None else {}
+        return httpx.get(self.url + path, headers=headers, timeout=10)
