@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import socket
+import ssl
 from functools import cache
 from typing import Any
 
@@ -107,7 +108,9 @@ class AgentClient:
     """One client for all nodes. The transport is injectable (httpx.ASGITransport for in-process tests)."""
 
     def __init__(self, secret: str, *, timeout: float = 10.0, transport: httpx.AsyncBaseTransport | None = None,
-                 verify: bool | str = True, max_connections: int = 100) -> None:
+                 ca_file: str | None = None, max_connections: int = 100) -> None:
+        # ca_file: trust agents' certificates signed by this CA (or self-signed ones given directly).
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
         self._http = httpx.AsyncClient(
             headers={"Authorization": f"Bearer {secret}"}, timeout=timeout, transport=transport, verify=verify,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))

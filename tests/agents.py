@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -54,10 +55,15 @@ class Agent:
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[str] | None = None
+    tls_cert: Path | None = None  # serve HTTPS with this certificate (its key beside it as key.pem)
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}:{self.port}"
+        return f"{'https' if self.tls_cert else 'http'}://{self.address}:{self.port}"
+
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        return ssl.create_default_context(cafile=str(self.tls_cert)) if self.tls_cert else True
 
     def start(self, timeout: float = 30) -> Agent:
         if not (self.home / "identity.json").exists():
@@ -65,13 +71,14 @@ class Agent:
         log = open(self.home.parent / f"{self.name}.log", "a")
         self.proc = subprocess.Popen(
             [fleet_bin("fleet-agent"), "serve", "--home", str(self.home), "--listen", f"{self.address}:{self.port}",
-             *self.args], env=agent_env(**self.env), stdout=log, stderr=subprocess.STDOUT, text=True)
+             *self.args, *(["--tls-cert", str(self.tls_cert), "--tls-key", str(self.tls_cert.with_name("key.pem"))]
+                            if self.tls_cert else [])], env=agent_env(**self.env), stdout=log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"agent {self.name} exited with {self.proc.returncode}: {self.log()}")
             try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/healthz", timeout=1, verify=self.verify).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
@@ -95,4 +102,4 @@ class Agent:
 
     def get(self, path: str, secret: str | None = SECRET) -> httpx.Response:
         headers = {"Authorization": f"Bearer {secret}"} if secret is not None else {}
-        return httpx.get(self.url + path, headers=headers, timeout=10)
+        return httpx.get(self.url + path, headers=headers, timeout=10, verify=self.verify)

@@ -252,3 +252,27 @@ def test_doctor_reports_checks(tmp_path: Path, gpu_file: Path) -> None:
     # A simulated GPU with no CUDA torch is the mismatch doctor exists to catch, or no torch at all.
     assert findings["variant:torch"]["level"] in ("error", "warning")
     assert proc.returncode == (1 if findings["variant:torch"]["level"] == "error" else 0)
+
+
+def test_tls_agent_and_client(tmp_path: Path) -> None:
+    import httpx
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=fleet-test",
+                    "-addext", "subjectAltName=IP:127.0.0.5", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    a = Agent("tls", "127.0.0.5", free_port("127.0.0.5"), tmp_path / "tls", tls_cert=cert).start()
+    try:
+        node = NodeSpec(name="tls", address="127.0.0.5", agent_port=a.port, tls=True)
+
+        async def go() -> dict:
+            async with AgentClient(SECRET, ca_file=str(cert)) as client:
+                return await client.state(node)
+
+        assert trio.run(go)["identity"]["name"] == "tls"
+        with pytest.raises(httpx.TransportError):  # plain HTTP to the TLS port gets no answer
+            httpx.get(f"http://127.0.0.5:{a.port}/healthz", timeout=2)
+    finally:
+        a.stop()
