@@ -4,26 +4,46 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import environment, inventory, windows
+from . import manifest as mf
+from .fetch import Fetcher
 from .identity import Identity
+from .store import Store, StoreError
 
 MIN_SECRET_BYTES = 16
 PUBLIC_PATHS = frozenset({"/healthz"})
 
 
+PEER_URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}/?$")
+
+
 def local_now() -> datetime:
     return datetime.now().astimezone()
+
+
+class Spawner:
+    """Background work (fetches) runs in the server's nursery, handed over once it is open."""
+
+    def __init__(self) -> None:
+        self.nursery: trio.Nursery | None = None
+
+    def __call__(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        if self.nursery is None:
+            raise RuntimeError("the agent's nursery is not open yet")
+        self.nursery.start_soon(fn, *args)
 
 
 @dataclass
@@ -38,6 +58,14 @@ class AgentContext:
     windows: tuple[windows.Window, ...] = ()
     clock: Callable[[], datetime] = local_now
     engines: dict[str, Any] = field(default_factory=environment.engines)
+    spawner: Spawner = field(default_factory=Spawner)
+    store: Store = field(init=False)
+    fetcher: Fetcher = field(init=False)
+    in_use: Callable[[str], str | None] = lambda digest: None  # which server uses a model, if any
+
+    def __post_init__(self) -> None:
+        self.store = Store(self.home)
+        self.fetcher = Fetcher(self.store, self.secret.decode(), self.spawner)
 
     def state(self) -> dict[str, Any]:
         now = self.clock()
@@ -49,7 +77,8 @@ class AgentContext:
             "inventory": inventory.measure(self.home, self.gpu_probe),
             "availability": windows.status(self.windows, now),
             "observed_at": now.isoformat(),
-            "weights": [],
+            "weights": self.store.entries(),
+            "fetches": [j.to_json() for j in self.fetcher.active()],
             "servers": [],
         }
 
@@ -97,8 +126,87 @@ def create_app(ctx: AgentContext) -> ASGIApp:
     async def not_allowed(request: Request, _exc: Exception) -> JSONResponse:
         return error_response(405, "method_not_allowed", f"{request.method} is not allowed on {request.url.path}")
 
-    handlers: dict[Any, Callable[[Request, Exception], Awaitable[JSONResponse]]] = {404: not_found, 405: not_allowed}
-    app = Starlette(routes=[Route("/healthz", healthz), Route("/v1/state", state)],
+    def digest_param(request: Request) -> str:
+        digest = request.path_params["digest"]
+        mf.check_digest(digest)
+        return str(digest)
+
+    async def get_manifest(request: Request) -> Response:
+        digest = digest_param(request)
+        try:
+            return Response(ctx.store.manifest_bytes(digest), media_type="application/json")
+        except StoreError as exc:
+            return error_response(404, "weights_not_held", str(exc))
+
+    async def get_blob(request: Request) -> Response:
+        sha = request.path_params["sha"]
+        path = ctx.store.blob_path(sha)  # validates: 64 hex digits, nothing else reaches the disk
+        if not path.is_file():
+            return error_response(404, "blob_not_held", f"blob {sha} is not held here")
+        return FileResponse(path, media_type="application/octet-stream")
+
+    async def put_weights(request: Request) -> Response:
+        digest = digest_param(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            return error_response(400, "bad_request", "the body must be JSON: {\"peer\": URL, ...}")
+        if not isinstance(body, dict):
+            return error_response(400, "bad_request", "the body must be a JSON object")
+        if ctx.store.is_present(digest):
+            return JSONResponse({"digest": digest, "state": "present"})
+        peer = body.get("peer")
+        if not isinstance(peer, str) or not PEER_URL.match(peer):
+            return error_response(400, "bad_peer", "peer must be an agent URL such as http://10.0.0.2:7070")
+        name = body.get("name", "")
+        if not isinstance(name, str) or len(name) > 256 or "\x00" in name:
+            return error_response(400, "bad_request", "name must be a string of at most 256 characters")
+        layers, source = body.get("layers"), body.get("source_digest")
+        if layers is not None:
+            if not isinstance(layers, str):
+                return error_response(400, "bad_layers", "layers must be a string FIRST-LAST")
+            mf.parse_layers(layers)
+            if not isinstance(source, str):
+                return error_response(400, "bad_request", "a slice needs source_digest: the full model's digest")
+            mf.check_digest(source)
+        job = ctx.fetcher.request(digest, peer, name, source, layers)
+        return JSONResponse(job.to_json(), status_code=202)
+
+    async def get_weights(request: Request) -> Response:
+        digest = digest_param(request)
+        if ctx.store.is_present(digest):
+            return JSONResponse({**ctx.store.entry(digest), "state": "present"})
+        job = ctx.fetcher.jobs.get(digest)
+        if job is not None:
+            return JSONResponse(job.to_json())
+        return JSONResponse({"digest": digest, "state": "absent"}, status_code=404)
+
+    async def delete_weights(request: Request) -> Response:
+        digest = digest_param(request)
+        job = ctx.fetcher.jobs.get(digest)
+        if job is not None and job.state == "fetching":
+            return error_response(409, "weights_busy", f"{digest} is being fetched; wait for the fetch to end")
+        user = ctx.in_use(digest)
+        if user is not None:
+            return error_response(409, "weights_in_use", f"{digest} is used by server {user}; stop it first")
+        try:
+            ctx.store.delete(digest)
+        except StoreError as exc:
+            return error_response(404, "weights_not_held", str(exc))
+        ctx.fetcher.jobs.pop(digest, None)
+        return JSONResponse({"digest": digest, "state": "deleted"})
+
+    async def bad_input(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(400, "bad_request", str(exc))
+
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[JSONResponse]]] = {
+        404: not_found, 405: not_allowed, mf.ManifestError: bad_input, StoreError: bad_input}
+    app = Starlette(routes=[Route("/healthz", healthz), Route("/v1/state", state),
+                            Route("/v1/manifests/{digest}", get_manifest),
+                            Route("/v1/blobs/{sha}", get_blob),
+                            Route("/v1/weights/{digest}", get_weights, methods=["GET"]),
+                            Route("/v1/weights/{digest}", put_weights, methods=["PUT"]),
+                            Route("/v1/weights/{digest}", delete_weights, methods=["DELETE"])],
                     exception_handlers=handlers)  # type: ignore[arg-type]
     app.state.ctx = ctx
     return BearerAuth(app, ctx.secret)

@@ -93,7 +93,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     ctx = AgentContext(home=home, identity=ident, secret=secret, version=__version__, gpu_probe=probe,
                        windows=wins)
-    return serve(create_app(ctx), host, port, ident, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    return serve(create_app(ctx), host, port, ident, spawner=ctx.spawner, tls_cert=args.tls_cert,
+                 tls_key=args.tls_key)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -119,6 +120,47 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         for f in findings:
             print(f"[{marks[f.level]}] {f.message}")
     return 1 if any(f.level == "error" for f in findings) else 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from .store import Store, StoreError
+
+    home = _home(args)
+    try:
+        identity.load(home)
+    except identity.NotEnrolled as exc:
+        raise Refused(str(exc)) from None
+    src = Path(args.path)
+    name = args.name or (src.stem if src.is_file() else src.resolve().name)
+    try:
+        digest, manifest = Store(home).import_model(src, name, link=args.link)
+    except (StoreError, OSError) as exc:
+        raise Refused(f"cannot import {src}: {exc}") from None
+    size = sum(f["size"] for f in manifest["files"])
+    if args.json:
+        print(json.dumps({"digest": digest, "name": name, "format": manifest["format"], "bytes": size,
+                          "layers": manifest["layers"]}))
+    else:
+        print(f"imported {name!r} ({manifest['format']}, {len(manifest['files'])} files, {size:,} bytes)")
+        print(f"digest: {digest}")
+        print(f"in fleet.yaml:  models.{name}: {{format: {manifest['format']}, digest: \"{digest}\", source: <this node>}}")
+    return 0
+
+
+def cmd_make_test_model(args: argparse.Namespace) -> int:
+    try:
+        from . import testmodel
+    except ImportError as exc:
+        raise Refused(f"making test models needs numpy, safetensors, gguf and tokenizers "
+                      f"(pip install 'fleet[testmodels]'): {exc}") from None
+    shape = testmodel.Shape(layers=args.layers, hidden=args.hidden, intermediate=args.hidden * 2)
+    out = Path(args.out)
+    if args.format == "gguf":
+        path = testmodel.make_gguf(out, shape)
+    else:
+        path = testmodel.make_safetensors(out, shape)
+    print(path)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +197,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("import", help="hash and store a local model; print its digest",
+                       description="Import a model this node holds the original of (an HF directory with "
+                                   "config.json and *.safetensors, or one .gguf file) into the store, "
+                                   "and print the digest to pin in fleet.yaml. The original is copied "
+                                   "(or hard-linked with --link) and never modified.")
+    p.add_argument("path", help="an HF model directory or a .gguf file")
+    p.add_argument("--home", help=home_help)
+    p.add_argument("--name", help="a name for people (default: the directory or file name)")
+    p.add_argument("--link", action="store_true",
+                   help="hard-link instead of copying (same filesystem; editing the original in place "
+                        "would then corrupt the stored copy)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("make-test-model", help="write a tiny random Llama (safetensors dir or GGUF file)",
+                       description="Write a tiny but real Llama with random weights and a tokenizer "
+                                   "trained on the spot, without network: for tests and the demo.")
+    p.add_argument("format", choices=["safetensors", "gguf"])
+    p.add_argument("out", help="the directory (safetensors) or file (gguf) to write")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.set_defaults(func=cmd_make_test_model)
 
     p = sub.add_parser("doctor", help="check this machine: directories, GPUs, engine builds",
                        description="Print the start-up checks (writable home and engine caches) and the "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from typing import Any
 
 import trio
 from hypercorn.config import Config
@@ -16,8 +17,8 @@ from .identity import Identity
 log = logging.getLogger("fleet-agent")
 
 
-def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, tls_cert: str | None = None,
-          tls_key: str | None = None) -> int:
+def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, spawner: Any = None,
+          tls_cert: str | None = None, tls_key: str | None = None) -> int:
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None  # requests carry the cluster secret in a header: log none of them
@@ -38,6 +39,8 @@ def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, tls_cert: str 
                     return
 
         async with trio.open_nursery() as nursery:
+            if spawner is not None:
+                spawner.nursery = nursery  # fetches run here, and end with the server
             nursery.start_soon(on_signal)
             log.info("node %r (identity %s) listening on %s://%s", ident.name, ident.id, scheme, config.bind[0])
             await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]

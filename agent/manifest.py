@@ -1,0 +1,188 @@
+"""Model manifests (pure): the canonical form and digest, safetensors indexes, and layer slices.
+
+A manifest lists a model's files with size and sha256; for safetensors files also each tensor
+(name, dtype, shape, byte range, sha256). The model's digest is the sha256 of the canonical JSON.
+A slice manifest is computed from the full manifest alone, so the control plane can promise a
+slice's digest without reading any weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from typing import Any, BinaryIO
+
+MANIFEST_VERSION = 1
+DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+LAYERS_RE = re.compile(r"^(0|[1-9][0-9]{0,4})(?:-(0|[1-9][0-9]{0,4}))?$")
+_LAYER_OF = re.compile(r"(?:^|\.)(?:layers|h|blocks|blk)\.(\d+)\.")
+MAX_HEADER = 100 * 1024 * 1024
+SLICE_FILE = "model.safetensors"
+
+
+class ManifestError(ValueError):
+    pass
+
+
+def canonical(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def digest_of(manifest: dict[str, Any]) -> str:
+    return "sha256:" + hashlib.sha256(canonical(manifest)).hexdigest()
+
+
+def check_digest(text: str) -> str:
+    """The hex part of a `sha256:<64 hex>` digest, or ManifestError saying what is wrong."""
+    if not DIGEST_RE.match(text):
+        raise ManifestError(f"invalid digest {text[:80]!r}: expected 'sha256:' and 64 lowercase hex digits")
+    return text[7:]
+
+
+def safe_relpath(path: Any) -> str:
+    """A relative path inside a model, refused if it could escape the store or is not portable."""
+    if not isinstance(path, str) or not path or len(path) > 1024 or "\x00" in path or "\\" in path:
+        raise ManifestError(f"unsafe file path {str(path)[:80]!r} in manifest")
+    parts = path.split("/")
+    if path.startswith("/") or any(p in ("", ".", "..") or len(p) > 255 for p in parts):
+        raise ManifestError(f"unsafe file path {path[:80]!r} in manifest: must be relative, without '..'")
+    return path
+
+
+def read_safetensors_index(fh: BinaryIO, size: int) -> tuple[int, list[dict[str, Any]]]:
+    """(data start, tensors ordered by offset) from a safetensors file's header."""
+    head = fh.read(8)
+    if len(head) != 8:
+        raise ManifestError("file too short for a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER or 8 + n > size:
+        raise ManifestError(f"safetensors header length {n} is impossible for a {size}-byte file")
+    try:
+        header = json.loads(fh.read(n))
+    except ValueError as exc:
+        raise ManifestError(f"safetensors header is not JSON: {exc}") from None
+    start = 8 + n
+    tensors = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            b, e = info["data_offsets"]
+            tensors.append({"name": name, "dtype": info["dtype"], "shape": list(info["shape"]),
+                            "begin": start + int(b), "end": start + int(e)})
+        except (KeyError, TypeError, ValueError):
+            raise ManifestError(f"safetensors header entry {name!r} is malformed") from None
+    tensors.sort(key=lambda t: (t["begin"], t["end"]))
+    pos = start
+    for t in tensors:
+        if t["begin"] != pos or t["end"] < t["begin"]:
+            raise ManifestError(f"tensor {t['name']!r} does not start where the previous one ends")
+        pos = t["end"]
+    if pos != size:
+        raise ManifestError(f"tensor data ends at byte {pos} but the file has {size} bytes (truncated?)")
+    return start, tensors
+
+
+def layer_of(tensor_name: str) -> int | None:
+    m = _LAYER_OF.search(tensor_name)
+    return int(m.group(1)) if m else None
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    m = LAYERS_RE.match(text)
+    if not m:
+        raise ManifestError(f"invalid layer range {text[:40]!r}: expected FIRST-LAST, e.g. 0-39")
+    first = int(m.group(1))
+    last = int(m.group(2)) if m.group(2) is not None else first
+    if first > last:
+        raise ManifestError(f"layer range {text!r} runs backwards")
+    return first, last
+
+
+def slice_header(tensors: list[dict[str, Any]]) -> bytes:
+    """The safetensors header of a slice file: tensors in name order, packed, padded to 8 bytes."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        size = t["end"] - t["begin"]
+        entries[t["name"]] = {"dtype": t["dtype"], "shape": t["shape"], "data_offsets": [offset, offset + size]}
+        offset += size
+    body = json.dumps(entries, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def make_slice(full: dict[str, Any], full_digest: str, layers: str) -> dict[str, Any]:
+    """The manifest of layers FIRST-LAST of a safetensors model: every auxiliary file (config,
+    tokenizer), the tensors of those layers, the embeddings if it is the first slice, the final norm
+    and output head if it is the last, assembled into one safetensors file."""
+    if full.get("format") != "safetensors":
+        raise ManifestError("only safetensors models can be sliced by layers")
+    if full.get("slice"):
+        raise ManifestError("a slice is sliced from the full model's manifest, not from another slice")
+    total = full.get("layers")
+    if not isinstance(total, int):
+        raise ManifestError("the model's manifest does not say how many layers it has (config.json "
+                            "num_hidden_layers)")
+    first, last = parse_layers(layers)
+    if last >= total:
+        raise ManifestError(f"layers {layers} are outside the model, which has {total} (0-{total - 1})")
+    aux, picked = [], []
+    for f in full["files"]:
+        if "tensors" not in f:
+            if not f["path"].endswith(".safetensors.index.json"):  # the slice is one file: no shard index
+                aux.append({k: f[k] for k in ("path", "size", "sha256")})
+            continue
+        for t in f["tensors"]:
+            n = layer_of(t["name"])
+            keep = (first <= n <= last) if n is not None else (
+                first == 0 if "embed" in t["name"] else last == total - 1)
+            if keep:
+                picked.append({**t, "source": {"sha256": f["sha256"], "begin": t["begin"], "end": t["end"]}})
+    picked.sort(key=lambda t: t["name"])
+    header = slice_header(picked)
+    offset = len(header)
+    tensors = []
+    for t in picked:
+        size = t["end"] - t["begin"]
+        tensors.append({"name": t["name"], "dtype": t["dtype"], "shape": t["shape"], "begin": offset,
+                        "end": offset + size, "sha256": t["sha256"], "source": t["source"]})
+        offset += size
+    assembled = {"path": SLICE_FILE, "size": offset, "assembled": True,
+                 "header_sha256": hashlib.sha256(header).hexdigest(), "tensors": tensors}
+    return {"version": MANIFEST_VERSION, "format": "safetensors", "layers": last - first + 1,
+            "slice": {"of": full_digest, "layers": f"{first}-{last}", "total_layers": total},
+            "files": sorted(aux + [assembled], key=lambda f: f["path"])}
+
+
+def validate(manifest: Any) -> dict[str, Any]:
+    """Check a manifest from a peer before acting on it: shapes, hex digests, safe paths."""
+    if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
+        raise ManifestError("not a version-1 manifest")
+    if manifest.get("format") not in ("safetensors", "gguf"):
+        raise ManifestError(f"unknown model format {str(manifest.get('format'))[:40]!r}")
+    files = manifest.get("files")
+    if not isinstance(files, list) or not files:
+        raise ManifestError("manifest lists no files")
+    seen = set()
+    for f in files:
+        if not isinstance(f, dict):
+            raise ManifestError("manifest file entry is not an object")
+        path = safe_relpath(f.get("path"))
+        if path in seen:
+            raise ManifestError(f"file {path!r} listed twice")
+        seen.add(path)
+        if not isinstance(f.get("size"), int) or f["size"] < 0:
+            raise ManifestError(f"file {path!r} has no valid size")
+        if not f.get("assembled") and not HEX_RE.match(str(f.get("sha256", ""))):
+            raise ManifestError(f"file {path!r} has no valid sha256")
+        for t in f.get("tensors", []):
+            if not HEX_RE.match(str(t.get("sha256", ""))) or not (0 <= t.get("begin", -1) <= t.get("end", -1)):
+                raise ManifestError(f"tensor {str(t.get('name'))[:80]!r} of {path!r} is malformed")
+            src = t.get("source")
+            if src is not None and (not HEX_RE.match(str(src.get("sha256", "")))
+                                    or src.get("end", -1) - src.get("begin", 0) != t["end"] - t["begin"]):
+                raise ManifestError(f"tensor {str(t.get('name'))[:80]!r} has a malformed source range")
+    return manifest

@@ -1,0 +1,228 @@
+"""The content-addressed weight store under the agent's home: blobs by sha256, manifests by model
+digest, and a model directory of hard links that engines load. A model is present only once its
+manifest is written, which happens last, after every file is complete, verified and fsynced."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import manifest as mf
+
+CHUNK = 1 << 20
+_SKIP_DIRS = {".git", ".cache", "__pycache__"}
+
+
+class StoreError(Exception):
+    pass
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Store:
+    def __init__(self, home: Path) -> None:
+        self.root = home / "store"
+        self.blobs = self.root / "blobs"
+        self.manifests = self.root / "manifests"
+        self.models = self.root / "models"
+        self.partial = self.root / "partial"
+        self.meta = self.root / "meta"
+        for d in (self.blobs, self.manifests, self.models, self.partial, self.meta):
+            d.mkdir(parents=True, exist_ok=True)
+
+    # ---- paths (every name from outside goes through check_digest / HEX_RE first) ----
+
+    def blob_path(self, sha: str) -> Path:
+        if not mf.HEX_RE.match(sha):
+            raise StoreError(f"invalid sha256 {sha[:80]!r}: expected 64 lowercase hex digits")
+        return self.blobs / sha
+
+    def manifest_path(self, digest: str) -> Path:
+        return self.manifests / f"{mf.check_digest(digest)}.json"
+
+    def model_dir(self, digest: str) -> Path:
+        return self.models / mf.check_digest(digest)
+
+    def has_blob(self, sha: str) -> bool:
+        return self.blob_path(sha).is_file()
+
+    def is_present(self, digest: str) -> bool:
+        return self.manifest_path(digest).is_file()
+
+    def manifest_bytes(self, digest: str) -> bytes:
+        try:
+            return self.manifest_path(digest).read_bytes()
+        except FileNotFoundError:
+            raise StoreError(f"model {digest} is not held here") from None
+
+    def load_manifest(self, digest: str) -> dict[str, Any]:
+        return json.loads(self.manifest_bytes(digest))  # type: ignore[no-any-return]
+
+    # ---- writing ----
+
+    def commit(self, digest: str, manifest: dict[str, Any], file_blobs: dict[str, str], name: str) -> None:
+        """Make a model present: link its directory, then write its manifest (the presence mark)."""
+        body = mf.canonical(manifest)
+        if mf.digest_of(manifest) != digest:
+            raise StoreError(f"manifest does not hash to {digest}")
+        final = self.model_dir(digest)
+        if not final.exists():
+            tmp = self.models / f".tmp-{digest[7:]}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            for path, sha in file_blobs.items():
+                dest = tmp / mf.safe_relpath(path)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.link(self.blob_path(sha), dest)
+            os.replace(tmp, final)
+        (self.meta / f"{digest[7:]}.json").write_text(json.dumps(
+            {"name": name, "files": file_blobs, "committed_at": datetime.now(timezone.utc).isoformat()}))
+        tmp_manifest = self.manifests / f".{digest[7:]}.tmp"
+        with open(tmp_manifest, "wb") as fh:
+            fh.write(body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp_manifest, self.manifest_path(digest))
+        fsync_dir(self.manifests)
+
+    def delete(self, digest: str) -> None:
+        path = self.manifest_path(digest)
+        if not path.exists():
+            raise StoreError(f"model {digest} is not held here")
+        path.unlink()  # first: from here on the model is not reported present
+        fsync_dir(self.manifests)
+        shutil.rmtree(self.model_dir(digest), ignore_errors=True)
+        (self.meta / f"{digest[7:]}.json").unlink(missing_ok=True)
+        referenced = {sha for d in self.digests() for sha in self.file_blobs(d).values()}
+        for blob in self.blobs.iterdir():
+            if blob.name not in referenced:
+                blob.unlink(missing_ok=True)
+
+    # ---- reading ----
+
+    def digests(self) -> Iterator[str]:
+        for p in sorted(self.manifests.glob("*.json")):
+            if mf.HEX_RE.match(p.stem):
+                yield f"sha256:{p.stem}"
+
+    def file_blobs(self, digest: str) -> dict[str, str]:
+        try:
+            return json.loads((self.meta / f"{digest[7:]}.json").read_text())["files"]  # type: ignore[no-any-return]
+        except (OSError, ValueError, KeyError):
+            return {}
+
+    def entry(self, digest: str) -> dict[str, Any]:
+        m = self.load_manifest(digest)
+        try:
+            name = json.loads((self.meta / f"{digest[7:]}.json").read_text()).get("name", "")
+        except (OSError, ValueError):
+            name = ""
+        model_dir = self.model_dir(digest)
+        path = model_dir / m["files"][0]["path"] if m["format"] == "gguf" else model_dir
+        return {"digest": digest, "name": name, "format": m["format"],
+                "bytes": sum(f["size"] for f in m["files"]), "layers": m.get("layers"),
+                "slice": m.get("slice"), "path": str(path)}
+
+    def entries(self) -> list[dict[str, Any]]:
+        return [self.entry(d) for d in self.digests()]
+
+    # ---- import ----
+
+    def import_model(self, src: Path, name: str, *, link: bool = False) -> tuple[str, dict[str, Any]]:
+        """Hash and store a local model (an HF directory, or one .gguf file); never modifies it."""
+        src = src.resolve()
+        if src.is_dir():
+            files = sorted(p for p in src.rglob("*") if p.is_file()
+                           and not _SKIP_DIRS.intersection(p.relative_to(src).parts[:-1]))
+            rels = [p.relative_to(src).as_posix() for p in files]
+            if "config.json" not in rels or not any(r.endswith(".safetensors") for r in rels):
+                raise StoreError(f"{src} is not a safetensors model directory (it needs config.json and "
+                                 "*.safetensors files)")
+            fmt = "safetensors"
+        elif src.is_file():
+            with open(src, "rb") as fh:
+                if fh.read(4) != b"GGUF":
+                    raise StoreError(f"{src} is not a GGUF file (no GGUF magic); a safetensors model is "
+                                     "imported as its directory")
+            files, rels, fmt = [src], [src.name], "gguf"
+        else:
+            raise StoreError(f"{src} does not exist")
+        entries, blobs = [], {}
+        for path, rel in zip(files, rels):
+            entry = self._import_file(path, mf.safe_relpath(rel), link=link)
+            entries.append(entry)
+            blobs[rel] = entry["sha256"]
+        layers = None
+        if fmt == "safetensors":
+            try:
+                layers = json.loads((src / "config.json").read_text()).get("num_hidden_layers")
+            except ValueError as exc:
+                raise StoreError(f"{src / 'config.json'} is not JSON: {exc}") from None
+        manifest = {"version": mf.MANIFEST_VERSION, "format": fmt, "layers": layers, "slice": None,
+                    "files": entries}
+        digest = mf.digest_of(manifest)
+        self.commit(digest, manifest, blobs, name)
+        return digest, manifest
+
+    def _import_file(self, path: Path, rel: str, *, link: bool) -> dict[str, Any]:
+        size = path.stat().st_size
+        whole = hashlib.sha256()
+        tensors: list[dict[str, Any]] = []
+        tmp = self.partial / f".import-{os.getpid()}-{hashlib.sha256(rel.encode()).hexdigest()[:16]}"
+        with open(path, "rb") as fh, (open(os.devnull, "wb") if link else open(tmp, "wb")) as out:
+            if rel.endswith(".safetensors"):
+                try:
+                    _, tensors = mf.read_safetensors_index(fh, size)
+                except mf.ManifestError as exc:
+                    raise StoreError(f"{path}: {exc}") from None
+                fh.seek(0)
+            # One pass: the whole-file hash, each tensor's hash, and the copy.
+            bounds = iter(tensors)
+            cur = next(bounds, None)
+            th = hashlib.sha256()
+            pos = 0
+            while chunk := fh.read(CHUNK):
+                whole.update(chunk)
+                out.write(chunk)
+                view, at = memoryview(chunk), pos
+                while cur is not None and at < pos + len(chunk):
+                    lo = max(cur["begin"], at) - pos
+                    hi = min(cur["end"], pos + len(chunk)) - pos
+                    if lo < hi:
+                        th.update(view[lo:hi])
+                    if cur["end"] <= pos + len(chunk):
+                        cur["sha256"] = th.hexdigest()
+                        th = hashlib.sha256()
+                        at = cur["end"]
+                        cur = next(bounds, None)
+                    else:
+                        break
+                pos += len(chunk)
+            if not link:
+                out.flush()
+                os.fsync(out.fileno())
+        for t in tensors:  # zero-length tensors never met a byte
+            t.setdefault("sha256", hashlib.sha256(b"").hexdigest())
+        sha = whole.hexdigest()
+        dest = self.blob_path(sha)
+        if dest.exists():
+            tmp.unlink(missing_ok=True)
+        elif link:
+            os.link(path, dest)
+        else:
+            os.replace(tmp, dest)
+        entry: dict[str, Any] = {"path": rel, "size": size, "sha256": sha}
+        if rel.endswith(".safetensors"):
+            entry["tensors"] = tensors
+        return entry
+
