@@ -174,9 +174,11 @@ def create_app(ctx: AgentContext) -> ASGIApp:
 
     async def get_weights(request: Request) -> Response:
         digest = digest_param(request)
-        if ctx.store.is_present(digest):
-            return JSONResponse({**ctx.store.entry(digest), "state": "present"})
         job = ctx.fetcher.jobs.get(digest)
+        if ctx.store.is_present(digest):
+            # The finished fetch, if this agent ran one, says how many bytes crossed the wire.
+            return JSONResponse({**ctx.store.entry(digest), "state": "present",
+                                 "fetch": job.to_json() if job is not None else None})
         if job is not None:
             return JSONResponse(job.to_json())
         return JSONResponse({"digest": digest, "state": "absent"}, status_code=404)

@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -238,7 +237,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         sys.exit(2)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         code = args.func(args)
     except Refused as exc:
