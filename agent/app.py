@@ -13,12 +13,13 @@ from typing import Any, Awaitable, Callable
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import environment, inventory, windows
 from . import manifest as mf
+from .blobs import BlobResponse
 from .fetch import Fetcher
 from .identity import Identity
 from .store import Store, StoreError
@@ -143,7 +144,7 @@ def create_app(ctx: AgentContext) -> ASGIApp:
         path = ctx.store.blob_path(sha)  # validates: 64 hex digits, nothing else reaches the disk
         if not path.is_file():
             return error_response(404, "blob_not_held", f"blob {sha} is not held here")
-        return FileResponse(path, media_type="application/octet-stream")
+        return BlobResponse(path, request.headers.get("range"))
 
     async def put_weights(request: Request) -> Response:
         digest = digest_param(request)

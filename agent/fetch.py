@@ -142,12 +142,14 @@ class Fetcher:
         have = part.stat().st_size if part.exists() else 0
         if have > total:
             have = 0
-        whole = hashlib.sha256()
+        # A whole file is one segment whose hash is the file's: hash it once, not twice.
+        whole = hashlib.sha256() if len(segments) > 1 else None
         with open(part, "r+b" if part.exists() else "w+b") as fh:
             fh.truncate(have)
             pos = 0
             for seg in segments:
                 h = hashlib.sha256()
+                hashers = [h] if whole is None else [h, whole]
                 kept = max(0, min(seg.size, have - pos))
                 fh.seek(pos)
                 left = kept
@@ -155,17 +157,17 @@ class Fetcher:
                     chunk = fh.read(min(CHUNK, left))
                     if not chunk:
                         break
-                    h.update(chunk)
-                    whole.update(chunk)
+                    for x in hashers:
+                        x.update(chunk)
                     left -= len(chunk)
                 job.bytes_done += kept
                 if kept < seg.size:
                     fh.seek(pos + kept)
 
-                    def take(chunk: bytes) -> None:
+                    def take(chunk: bytes | memoryview) -> None:
                         fh.write(chunk)
-                        h.update(chunk)
-                        whole.update(chunk)
+                        for x in hashers:
+                            x.update(chunk)
                         job.bytes_done += len(chunk)
                         job.bytes_fetched += len(chunk)
 
@@ -190,7 +192,7 @@ class Fetcher:
                 pos += seg.size
             fh.flush()
             os.fsync(fh.fileno())
-        sha = whole.hexdigest()
+        sha = whole.hexdigest() if whole is not None else segments[0].sha256
         dest = self.store.blob_path(sha)
         os.replace(part, dest)
         fsync_dir(dest.parent)

@@ -8,6 +8,8 @@ per connection, a Content-Length body, no chunking, no redirects."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import ssl
 from typing import Callable
 from urllib.parse import urlsplit
@@ -16,6 +18,31 @@ import trio
 
 RECV = 1 << 20
 MAX_HEAD = 64 * 1024
+BULK = 8 << 20  # bodies larger than this are received in a worker thread
+IDLE_TIMEOUT = 60.0  # a peer that sends nothing for this long is given up on (the fetch can resume)
+
+
+def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | memoryview], None]) -> int:
+    """Receive up to `want` bytes on a duplicate of `fd`, blocking; returns how many arrived."""
+    # A duplicate descriptor: closing it leaves trio's socket open. Both share O_NONBLOCK, which
+    # Python's timeout mode expects anyway (it polls, then reads).
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.settimeout(IDLE_TIMEOUT)
+        buf = bytearray(RECV)
+        view = memoryview(buf)
+        got = 0
+        while got < want:
+            n = sock.recv_into(buf, min(RECV, want - got))
+            if not n:
+                break
+            on_data(view[:n])
+            got += n
+        return got
+    except TimeoutError:
+        raise PeerError(f"peer sent nothing for {IDLE_TIMEOUT:.0f}s", resumable=True) from None
+    finally:
+        sock.close()
 
 
 class PeerError(Exception):
@@ -41,7 +68,7 @@ async def _connect(base: str, ssl_context: ssl.SSLContext | None) -> tuple[trio.
     return stream, f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
 
 
-async def get(base: str, path: str, secret: str, on_data: Callable[[bytes], None], *,
+async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | memoryview], None], *,
               start: int | None = None, end: int | None = None,
               ssl_context: ssl.SSLContext | None = None) -> int:
     """GET base+path (bytes start..end inclusive when given), feeding the body to `on_data` as it
@@ -86,13 +113,30 @@ async def get(base: str, path: str, secret: str, on_data: Callable[[bytes], None
             if body:
                 on_data(body[:length])
                 got = min(len(body), length)
-            while got < length:
-                chunk = await stream.receive_some(min(RECV, length - got))
-                if not chunk:
-                    raise PeerError(f"peer {base} closed the connection after {got} of {length} bytes of {path}",
-                                    resumable=True)
-                on_data(chunk)
-                got += len(chunk)
+            if isinstance(stream, trio.SocketStream) and length - got > BULK:
+                # Plain TCP bulk: a blocking socket in a worker thread, receiving into one reusable
+                # buffer, as the reference receiver does. Through trio's non-blocking recv the same
+                # loop ran about 20% slower (smaller reads, an event-loop pass per read).
+                # abandon_on_cancel: a shutting-down agent does not wait for the transfer to end.
+                got += await trio.to_thread.run_sync(_blocking_receive, stream.socket.fileno(), length - got,
+                                                     on_data, abandon_on_cancel=True)
+            elif isinstance(stream, trio.SocketStream):
+                while got < length:
+                    chunk = await stream.receive_some(min(RECV, length - got))
+                    if not chunk:
+                        break
+                    on_data(chunk)
+                    got += len(chunk)
+            else:
+                while got < length:
+                    chunk = await stream.receive_some(min(RECV, length - got))
+                    if not chunk:
+                        break
+                    on_data(chunk)
+                    got += len(chunk)
+            if got < length:
+                raise PeerError(f"peer {base} closed the connection after {got} of {length} bytes of {path}",
+                                resumable=True)
             return status
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise PeerError(f"connection to peer {base} broke during {path}: {exc}", resumable=True) from None
@@ -103,12 +147,12 @@ async def get_bytes(base: str, path: str, secret: str, *, limit: int = 64 << 20,
     parts: list[bytes] = []
     size = 0
 
-    def take(chunk: bytes) -> None:
+    def take(chunk: bytes | memoryview) -> None:
         nonlocal size
         size += len(chunk)
         if size > limit:
             raise PeerError(f"peer {base} sent more than {limit} bytes for {path}")
-        parts.append(chunk)
+        parts.append(bytes(chunk))  # the view is reused for the next read
 
     await get(base, path, secret, take, ssl_context=ssl_context)
     return b"".join(parts)
