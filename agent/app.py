@@ -23,6 +23,7 @@ from .blobs import BlobResponse
 from .fetch import Fetcher
 from .identity import Identity
 from .store import Store, StoreError
+from .workers import Refused, Workers
 
 MIN_SECRET_BYTES = 16
 PUBLIC_PATHS = frozenset({"/healthz"})
@@ -62,11 +63,13 @@ class AgentContext:
     spawner: Spawner = field(default_factory=Spawner)
     store: Store = field(init=False)
     fetcher: Fetcher = field(init=False)
-    in_use: Callable[[str], str | None] = lambda digest: None  # which server uses a model, if any
+    listen_host: str = "127.0.0.1"
+    workers: Workers = field(init=False)
 
     def __post_init__(self) -> None:
         self.store = Store(self.home)
         self.fetcher = Fetcher(self.store, self.secret.decode(), self.spawner)
+        self.workers = Workers(self.home, self.store, self.spawner, self.listen_host)
 
     def state(self) -> dict[str, Any]:
         now = self.clock()
@@ -80,7 +83,7 @@ class AgentContext:
             "observed_at": now.isoformat(),
             "weights": self.store.entries(),
             "fetches": [j.to_json() for j in self.fetcher.active()],
-            "servers": [],
+            "servers": [s.to_json() for s in self.workers.servers.values()],
         }
 
 
@@ -189,7 +192,7 @@ def create_app(ctx: AgentContext) -> ASGIApp:
         job = ctx.fetcher.jobs.get(digest)
         if job is not None and job.state == "fetching":
             return error_response(409, "weights_busy", f"{digest} is being fetched; wait for the fetch to end")
-        user = ctx.in_use(digest)
+        user = ctx.workers.using(digest)
         if user is not None:
             return error_response(409, "weights_in_use", f"{digest} is used by server {user}; stop it first")
         try:
@@ -199,17 +202,50 @@ def create_app(ctx: AgentContext) -> ASGIApp:
         ctx.fetcher.jobs.pop(digest, None)
         return JSONResponse({"digest": digest, "state": "deleted"})
 
+    async def post_server(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return error_response(400, "bad_request", "the body must be JSON")
+        if not isinstance(body, dict):
+            return error_response(400, "bad_request", "the body must be a JSON object")
+        if isinstance(body.get("model"), str):
+            mf.check_digest(body["model"])
+        server = ctx.workers.start(body)
+        return JSONResponse(server.to_json(), status_code=202)
+
+    async def list_servers(_: Request) -> Response:
+        return JSONResponse({"servers": [s.to_json() for s in ctx.workers.servers.values()]})
+
+    async def get_server(request: Request) -> Response:
+        server = ctx.workers.servers.get(request.path_params["sid"])
+        if server is None:
+            return error_response(404, "server_not_found", f"no server {request.path_params['sid']} on this node")
+        return JSONResponse(server.to_json())
+
+    async def delete_server(request: Request) -> Response:
+        server = await ctx.workers.stop(request.path_params["sid"])
+        return JSONResponse(server.to_json())
+
+    async def refused(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, Refused)
+        return error_response(exc.status, exc.code, exc.message)
+
     async def bad_input(_: Request, exc: Exception) -> JSONResponse:
         return error_response(400, "bad_request", str(exc))
 
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[JSONResponse]]] = {
-        404: not_found, 405: not_allowed, mf.ManifestError: bad_input, StoreError: bad_input}
+        404: not_found, 405: not_allowed, mf.ManifestError: bad_input, StoreError: bad_input, Refused: refused}
     app = Starlette(routes=[Route("/healthz", healthz), Route("/v1/state", state),
                             Route("/v1/manifests/{digest}", get_manifest),
                             Route("/v1/blobs/{sha}", get_blob),
                             Route("/v1/weights/{digest}", get_weights, methods=["GET"]),
                             Route("/v1/weights/{digest}", put_weights, methods=["PUT"]),
-                            Route("/v1/weights/{digest}", delete_weights, methods=["DELETE"])],
+                            Route("/v1/weights/{digest}", delete_weights, methods=["DELETE"]),
+                            Route("/v1/servers", list_servers, methods=["GET"]),
+                            Route("/v1/servers", post_server, methods=["POST"]),
+                            Route("/v1/servers/{sid}", get_server, methods=["GET"]),
+                            Route("/v1/servers/{sid}", delete_server, methods=["DELETE"])],
                     exception_handlers=handlers)  # type: ignore[arg-type]
     app.state.ctx = ctx
     return BearerAuth(app, ctx.secret)

@@ -91,8 +91,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     ctx = AgentContext(home=home, identity=ident, secret=secret, version=__version__, gpu_probe=probe,
-                       windows=wins)
-    return serve(create_app(ctx), host, port, ident, spawner=ctx.spawner, tls_cert=args.tls_cert,
+                       windows=wins, listen_host=host)
+    return serve(create_app(ctx), host, port, ident, spawner=ctx.spawner, workers=ctx.workers,
+                 tls_cert=args.tls_cert,
                  tls_key=args.tls_key)
 
 

@@ -17,7 +17,7 @@ from .identity import Identity
 log = logging.getLogger("fleet-agent")
 
 
-def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, spawner: Any = None,
+def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, spawner: Any = None, workers: Any = None,
           tls_cert: str | None = None, tls_key: str | None = None) -> int:
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -44,6 +44,8 @@ def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, spawner: Any =
             nursery.start_soon(on_signal)
             log.info("node %r (identity %s) listening on %s://%s", ident.name, ident.id, scheme, config.bind[0])
             await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
+            if workers is not None:
+                await workers.stop_all()  # an agent that stops leaves no worker behind
             nursery.cancel_scope.cancel()
 
     try:

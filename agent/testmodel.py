@@ -104,7 +104,7 @@ def make_safetensors(out: Path, shape: Shape = Shape()) -> Path:
         "fleet_test_shape": asdict(shape)}, indent=2))
     (out / "generation_config.json").write_text(json.dumps({
         "bos_token_id": tok.token_to_id("<s>"), "eos_token_id": tok.token_to_id("</s>"),
-        "do_sample": False, "max_length": shape.context}, indent=2))
+        "do_sample": False}, indent=2))
     save_file(_weights(shape, vocab), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 

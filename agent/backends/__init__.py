@@ -1,0 +1,1 @@
+"""Server backends: how each engine is launched (llama.cpp for GGUF, PyTorch for safetensors)."""
