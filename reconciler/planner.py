@@ -1,0 +1,372 @@
+"""plan(desired, observed) -> Plan. Pure: no I/O, no clock, no async; everything it needs is in its
+two arguments, which is what makes plans testable from files and checkable in CI from snapshots."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from agent import manifest as mf
+from agent.windows import Window, status
+
+from .diagnostics import Diagnostic, error, warning
+from .model import ClusterSpec, Desired, ModelSpec
+from .observed import Observed, ObservedNode
+from .plan import Action, Change, Plan
+
+RANK = {Action.REPLICATE: 0, Action.STOP: 1, Action.REPLACE: 2, Action.START: 3, Action.DELETE: 4}
+VRAM_HEADROOM = 1.2  # weights plus a fifth for the KV cache and activations: an estimate, said as such
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """A node should hold `digest` (a whole model, or a slice with `layers` of `source_digest`)."""
+
+    model: ModelSpec
+    digest: str
+    bytes: int
+    layers: str | None = None
+    source_digest: str | None = None
+
+    @property
+    def address_model(self) -> str:
+        return self.model.name if self.layers is None else f"{self.model.name}[{self.layers}]"
+
+
+def plan(desired: Desired, observed: Observed, *, targets: tuple[str, ...] = (),
+         config_digest: str = "", config_file: str = "") -> Plan:
+    p = _Planner(desired, observed)
+    p.run()
+    changes = _order(p.changes)
+    diags = list(p.diags)
+    if targets:
+        changes = _select(changes, targets)
+        diags.append(warning("targeted_plan", f"the plan is limited to {', '.join(targets)}",
+                             "Other changes the fleet needs are left out: use -target only for "
+                             "exceptional situations, then run a full plan."))
+    fingerprints = {n: o.fingerprint for n, o in observed.nodes.items() if o.ok}
+    return Plan(tuple(changes), tuple(diags), config_digest, config_file, fingerprints, targets)
+
+
+def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Flat, readable differences: ["context_length 4096 → 8192", "threads unset → 8"]."""
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+    a, b = flat(old), flat(new)
+    show = lambda v: "unset" if v is None else str(v)  # noqa: E731
+    return [f"{k} {show(a.get(k))} → {show(b.get(k))}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+
+
+class _Planner:
+    def __init__(self, desired: Desired, observed: Observed) -> None:
+        self.d = desired
+        self.o = observed
+        self.cp = desired.control_plane.node
+        self.changes: list[Change] = []
+        self.diags: list[Diagnostic] = []
+        self.ok: dict[str, ObservedNode] = {}
+        self.planned_bytes: dict[str, int] = {}
+
+    # ---- nodes ----
+
+    def check_nodes(self) -> None:
+        for name, spec in self.d.nodes.items():
+            obs = self.o.nodes.get(name)
+            if obs is None:
+                self.diags.append(error("node_unreachable", f"node {name!r} ({spec.address}:{spec.agent_port}) "
+                                        "was not observed", address=f"node.{name}"))
+            elif not obs.ok:
+                self.diags.append(error(obs.error_code or "node_unreachable", obs.error or "no answer",
+                                        address=f"node.{name}"))
+            elif spec.identity and obs.identity != spec.identity:
+                self.diags.append(error("identity_mismatch",
+                                        f"node {name!r} answered as identity {obs.identity}, but fleet.yaml pins "
+                                        f"{spec.identity}", "Another machine answers at this address, or the "
+                                        "node was enrolled again. Check the machine, then update the pin.",
+                                        address=f"node.{name}"))
+            else:
+                self.ok[name] = obs
+
+    # ---- weights ----
+
+    def wants(self) -> dict[str, dict[str, Want]]:
+        """node → digest → Want, for every replica, every source, every model a member serves."""
+        out: dict[str, dict[str, Want]] = {n: {} for n in self.d.nodes}
+        for m in self.d.models.values():
+            out[m.source][m.digest] = Want(m, m.digest, self.model_bytes(m))
+        for r in self.d.replicas:
+            m = self.d.models[r.model]
+            if r.layers is None:
+                out[r.node][m.digest] = Want(m, m.digest, self.model_bytes(m))
+                continue
+            full = self.o.manifests.get(m.digest)
+            if full is None:
+                self.diags.append(error("source_missing", f"cannot plan layers {r.layers} of {m.name!r} on "
+                                        f"{r.node!r}: no node reported the full model's manifest ({m.digest})",
+                                        f"The source {m.source!r} must hold it.", address=r.address))
+                continue
+            try:
+                sliced = mf.make_slice(full, m.digest, str(r.layers))
+            except mf.ManifestError as exc:
+                self.diags.append(error("invalid_slice", f"layers {r.layers} of {m.name!r}: {exc}", address=r.address))
+                continue
+            out[r.node][mf.digest_of(sliced)] = Want(m, mf.digest_of(sliced), sum(f["size"] for f in sliced["files"]),
+                                                     str(r.layers), m.digest)
+        return out
+
+    def model_bytes(self, m: ModelSpec) -> int:
+        for obs in self.o.nodes.values():
+            if m.digest in obs.weights:
+                return obs.weights[m.digest].bytes
+        full = self.o.manifests.get(m.digest)
+        return sum(f["size"] for f in full["files"]) if full else 0
+
+    def replicate(self, wants: dict[str, dict[str, Want]]) -> None:
+        by_digest: dict[str, list[tuple[str, Want]]] = {}
+        for node in self.d.nodes:
+            for digest, want in wants[node].items():
+                obs = self.ok.get(node)
+                if obs is None or digest in obs.weights:
+                    continue
+                if want.model.encrypted and node != self.cp:
+                    self.diags.append(error(
+                        "encrypted_remote_unsupported",
+                        f"encrypted model {want.model.name!r} cannot be replicated to {node!r}: encrypted weights "
+                        f"never leave the control plane's node ({self.cp!r})", address=f"replica.{want.address_model}@{node}"))
+                    continue
+                by_digest.setdefault(digest, []).append((node, want))
+        for digest, targets in by_digest.items():
+            want = targets[0][1]
+            full = want.source_digest or digest
+            holders = [n for n, obs in self.ok.items() if full in obs.weights]
+            holders.sort(key=lambda n: (n != want.model.source, list(self.d.nodes).index(n)))
+            if not holders:
+                for node, w in targets:
+                    summary = (f"the source node {node!r} does not hold {w.model.name!r} ({full}), and no other "
+                               "reachable node does" if node == w.model.source else
+                               f"no reachable node holds {w.model.name!r} ({full}) to replicate to {node!r}")
+                    self.diags.append(error("source_missing", summary,
+                                            f"Import it on {w.model.source!r}: fleet-agent import PATH.",
+                                            address=f"replica.{w.address_model}@{node}"))
+                continue
+            # Fan out: a node that will hold a verified copy serves the next ones, each peer at most
+            # two, so N copies take about log2(N) rounds instead of N pulls from the source.
+            peers = list(holders) + ([] if want.layers else [n for n, _ in targets])
+            for i, (node, w) in enumerate(targets):
+                peer = peers[i // 2] if not w.layers else holders[i % len(holders)]
+                deps = (f"replica.{w.address_model}@{peer}",) if peer not in holders else ()
+                self.planned_bytes[node] = self.planned_bytes.get(node, 0) + w.bytes
+                details = {"model": w.model.name, "digest": w.digest, "format": w.model.format, "peer": peer,
+                           "bytes": w.bytes}
+                if w.layers:
+                    details.update(layers=w.layers, source_digest=w.source_digest)
+                what = f"copy of layers {w.layers} of {w.model.name}" if w.layers else f"replica of {w.model.name}"
+                self.changes.append(Change(Action.REPLICATE, f"replica.{w.address_model}@{node}", node,
+                                           f"{node} holds no {what}; fetch {w.bytes:,} bytes from {peer}", deps,
+                                           details))
+        for node, total in self.planned_bytes.items():
+            free = self.ok[node].disk_free
+            if total > free:
+                self.diags.append(error("insufficient_disk", f"{node!r} needs {total:,} bytes for the weights "
+                                        f"planned there but has {free:,} free", address=f"node.{node}"))
+
+    # ---- servers ----
+
+    def resolve_settings(self, c: ClusterSpec, node: str, obs: ObservedNode) -> dict[str, Any]:
+        s = c.settings
+        out: dict[str, Any] = {k: v for k, v in (("context_length", s.context_length), ("threads", s.threads),
+                                                 ("batch_size", s.batch_size)) if v is not None}
+        address = f"server.{c.name}@{node}"
+        if s.tensor_parallel == "auto":
+            out["tensor_parallel"] = max(1, len(obs.gpus))
+            if node != self.cp:
+                self.diags.append(warning(
+                    "tensor_parallel_remote_fallback", f"tensor_parallel: auto on {node!r} uses its reported GPU "
+                    f"count ({len(obs.gpus)}) → {out['tensor_parallel']}", address=address))
+        elif s.tensor_parallel is not None:
+            out["tensor_parallel"] = s.tensor_parallel
+        if s.speculative is not None:
+            spec: dict[str, Any] = {"mode": s.speculative.mode}
+            if s.speculative.draft:
+                spec.update(draft=s.speculative.draft, draft_digest=self.d.models[s.speculative.draft].digest)
+            if s.speculative.tokens:
+                spec["tokens"] = s.speculative.tokens
+            out["speculative"] = spec
+            if node != self.cp:
+                self.diags.append(warning("speculative_remote_unvalidated",
+                                          f"speculative decoding on remote node {node!r} is not validated",
+                                          address=address))
+        out["startup_timeout_s"] = s.startup_timeout_s
+        return out
+
+    def servers(self, wants: dict[str, dict[str, Want]]) -> set[tuple[str, str]]:
+        desired_ids: set[tuple[str, str]] = set()
+        for c in self.d.clusters.values():
+            model = self.d.models[c.model]
+            previous: str | None = None
+            for node in c.members:
+                sid, address = f"{c.name}@{node}", f"server.{c.name}@{node}"
+                desired_ids.add((node, sid))
+                if model.format == "gguf" and node != self.cp:
+                    self.diags.append(error(
+                        "llamacpp_remote_unsupported", f"cluster {c.name!r} serves GGUF model {model.name!r} on "
+                        f"{node!r}: llama.cpp servers run only on the control plane's node ({self.cp!r})",
+                        "Serve a safetensors model there, or make this cluster's only member the control plane's node.",
+                        address=address))
+                    continue
+                if model.encrypted and node != self.cp:
+                    self.diags.append(error("encrypted_remote_unsupported", f"encrypted model {model.name!r} cannot "
+                                            f"be served on {node!r}, only on {self.cp!r}", address=address))
+                    continue
+                obs = self.ok.get(node)
+                if obs is None:
+                    continue
+                settings = self.resolve_settings(c, node, obs)
+                self.check_vram(c, node, obs, model, settings)
+                host = self.d.nodes[node].address
+                details = {"cluster": c.name, "server_id": sid, "model": model.name, "digest": model.digest,
+                           "port": c.port, "host": host, "settings": settings}
+                deps = [f"replica.{w.address_model}@{node}" for w in wants[node].values()
+                        if w.digest in (model.digest, settings.get("speculative", {}).get("draft_digest"))
+                        and any(ch.address == f"replica.{w.address_model}@{node}" for ch in self.changes)]
+                if previous:
+                    deps.append(previous)
+                current = obs.servers.get(sid)
+                change: Change | None = None
+                if current is None:
+                    change = Change(Action.START, address, node, f"{node} runs no server of cluster {c.name}",
+                                    tuple(deps), details)
+                elif current.state in ("failed", "stopped", "stopping"):
+                    why = (current.reason or "").splitlines()[0] if current.reason else "no reason reported"
+                    change = Change(Action.START, address, node, f"its server {current.state}: {why}",
+                                    tuple(deps), details, drift=True)
+                else:
+                    diffs = settings_diff(current.settings, settings)
+                    if current.model != model.digest:
+                        diffs.insert(0, f"model {current.model[:19]}… → {model.digest[:19]}…")
+                    if current.port != c.port:
+                        diffs.insert(0, f"port {current.port} → {c.port}")
+                    if diffs:
+                        change = Change(Action.REPLACE, address, node, "changed: " + "; ".join(diffs),
+                                        tuple(deps), {**details, "before": {"model": current.model,
+                                                                           "port": current.port,
+                                                                           "settings": current.settings}})
+                if change is not None:
+                    self.changes.append(change)
+                    previous = address
+        return desired_ids
+
+    def check_vram(self, c: ClusterSpec, node: str, obs: ObservedNode, model: ModelSpec, settings: dict[str, Any]) -> None:
+        if not obs.gpus:
+            return
+        n = int(settings.get("tensor_parallel") or len(obs.gpus))
+        free = sum(sorted((g[1] for g in obs.gpus), reverse=True)[:n])
+        need = int(self.model_bytes(model) * VRAM_HEADROOM)
+        if need > free:
+            self.diags.append(error("insufficient_vram", f"{model.name!r} needs about {need / 2**30:.1f} GiB of "
+                                    f"VRAM on {node!r} (weights + {int((VRAM_HEADROOM - 1) * 100)}% estimated for "
+                                    f"context) but its {n} GPU(s) have {free / 2**30:.1f} GiB free",
+                                    address=f"server.{c.name}@{node}"))
+
+    # ---- drift ----
+
+    def drift(self, wants: dict[str, dict[str, Want]], desired_ids: set[tuple[str, str]]) -> None:
+        for node, obs in self.ok.items():
+            stopping: dict[str, list[str]] = {}
+            for sid, srv in obs.servers.items():
+                if (node, sid) in desired_ids:
+                    continue
+                address = f"server.{sid}@{node}" if "@" not in sid else f"server.{sid.split('@')[0]}@{node}"
+                self.changes.append(Change(Action.STOP, address, node,
+                                           f"{node} runs server {sid} ({srv.state}) that no cluster asks for",
+                                           (), {"server_id": sid, "model": srv.model}, drift=True))
+                stopping.setdefault(srv.model, []).append(address)
+            for digest, held in obs.weights.items():
+                if digest in wants.get(node, {}) or digest in obs.fetching:
+                    continue
+                full = held.slice_of or digest
+                name = next((m.name for m in self.d.models.values() if m.digest == full), digest[7:19])
+                if held.slice_of:
+                    name = f"{name}[{held.layers}]"
+                self.changes.append(Change(Action.DELETE, f"replica.{name}@{node}", node,
+                                           f"{node} holds {name} ({held.bytes:,} bytes) that no replica asks for",
+                                           tuple(stopping.get(digest, ())), {"digest": digest}, drift=True))
+        # A start waits for the stops on its node: they may free its port.
+        stops = {}
+        for ch in self.changes:
+            if ch.action is Action.STOP:
+                stops.setdefault(ch.node, []).append(ch.address)
+        self.changes = [Change(ch.action, ch.address, ch.node, ch.reason, ch.depends_on + tuple(stops.get(ch.node, ())),
+                               ch.details, ch.drift) if ch.action in (Action.START, Action.REPLACE) else ch
+                        for ch in self.changes]
+
+    def windows(self) -> None:
+        for node in sorted({c.node for c in self.changes}):
+            obs = self.ok[node]
+            if not obs.inside_window:
+                self.diags.append(error("outside_availability_window", f"{node!r} is outside its availability "
+                                        f"window ({', '.join(obs.windows)}, the agent's own); no work may be "
+                                        "planned there now", address=f"node.{node}"))
+                continue
+            spec = self.d.nodes[node]
+            if spec.available and obs.observed_at:
+                now = datetime.fromisoformat(obs.observed_at)
+                if not status(tuple(Window.parse(w) for w in spec.available), now)["inside"]:
+                    self.diags.append(error("outside_availability_window", f"{node!r} is outside its availability "
+                                            f"window ({', '.join(spec.available)}, from fleet.yaml) at its local "
+                                            f"time {now:%H:%M}", address=f"node.{node}"))
+
+    def run(self) -> None:
+        self.check_nodes()
+        wants = self.wants()
+        self.replicate(wants)
+        desired_ids = self.servers(wants)
+        self.drift(wants, desired_ids)
+        self.windows()
+
+
+def _order(changes: list[Change]) -> list[Change]:
+    """Dependency order, then action rank, then address: deterministic output."""
+    by_address = {c.address: c for c in changes}
+    deps = {c.address: [d for d in c.depends_on if d in by_address] for c in changes}
+    waiting = {a: len(ds) for a, ds in deps.items()}
+    users: dict[str, list[str]] = {}
+    for a, ds in deps.items():
+        for d in ds:
+            users.setdefault(d, []).append(a)
+    ready = [(RANK[c.action], c.address) for c in changes if waiting[c.address] == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, address = heapq.heappop(ready)
+        c = by_address[address]
+        out.append(Change(c.action, c.address, c.node, c.reason, tuple(sorted(set(deps[address]))), c.details,
+                          c.drift))
+        for u in users.get(address, []):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (RANK[by_address[u].action], u))
+    if len(out) != len(changes):  # a cycle would be a planner bug: fail loudly, never drop work
+        raise RuntimeError("dependency cycle among " + ", ".join(sorted(a for a, n in waiting.items() if n)))
+    return out
+
+
+def _select(changes: list[Change], targets: tuple[str, ...]) -> list[Change]:
+    by_address = {c.address: c for c in changes}
+    keep: set[str] = set()
+    stack = [c.address for c in changes if any(c.address == t or c.address.startswith(t + "@")
+                                                or c.address.startswith(t + ".") for t in targets)]
+    while stack:
+        a = stack.pop()
+        if a not in keep:
+            keep.add(a)
+            stack.extend(d for d in by_address[a].depends_on if d in by_address)
+    return [c for c in changes if c.address in keep]

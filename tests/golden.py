@@ -1,0 +1,109 @@
+"""Golden planner cases: fleet.yaml + a compact observed.yaml → the plan, as readable lines.
+
+observed.yaml names models by their fleet.yaml name; this module expands it into the snapshot
+that `fleet observe -o` writes (agent states), so each case stays short enough to review."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agent import manifest as mf
+from reconciler import config
+from reconciler.observed import from_snapshot
+from reconciler.plan import Plan
+from reconciler.planner import plan
+
+CASES = Path(__file__).parent / "cases"
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)$")
+
+
+def size(v: Any) -> int:
+    if isinstance(v, int):
+        return v
+    m = _SIZE.match(str(v))
+    assert m, f"bad size {v!r}"
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
+
+
+def synthetic_manifest(layers: int) -> dict[str, Any]:
+    """A full safetensors manifest with a realistic tensor index (fake hashes), for slicing."""
+    tensors, pos = [], 8 + 1000
+
+    def add(name: str, n: int) -> None:
+        nonlocal pos
+        tensors.append({"name": name, "dtype": "F32", "shape": [n // 4], "begin": pos, "end": pos + n,
+                        "sha256": f"{len(tensors):064x}"})
+        pos += n
+    add("model.embed_tokens.weight", 4000)
+    for i in range(layers):
+        add(f"model.layers.{i}.self_attn.q_proj.weight", 8000)
+        add(f"model.layers.{i}.mlp.up_proj.weight", 16000)
+    add("model.norm.weight", 400)
+    add("lm_head.weight", 4000)
+    return {"version": 1, "format": "safetensors", "layers": layers, "slice": None, "files": [
+        {"path": "config.json", "size": 600, "sha256": "c" * 64},
+        {"path": "model.safetensors", "size": pos, "sha256": "d" * 64, "tensors": tensors},
+        {"path": "tokenizer.json", "size": 9000, "sha256": "e" * 64}]}
+
+
+def snapshot(fleet: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    models = fleet.get("models", {})
+    manifests = {m["digest"]: synthetic_manifest(m["layers"]) for m in models.values() if m.get("layers")}
+    nodes: dict[str, Any] = {}
+    for name, n in (spec.get("nodes") or {}).items():
+        n = n or {}
+        if "error" in n:
+            nodes[name] = {"state": None, "error": {"code": n["error"], "message": f"{n['error']}: {name}"}}
+            continue
+        weights = []
+        for w in n.get("weights", []):
+            w = {"model": w} if isinstance(w, str) else w
+            m = models[w["model"]]
+            entry = {"digest": m["digest"], "format": m["format"], "bytes": size(w.get("bytes", "1G")),
+                     "slice": None}
+            if "layers" in w:
+                sliced = mf.make_slice(manifests[m["digest"]], m["digest"], w["layers"])
+                entry.update(digest=mf.digest_of(sliced), slice=sliced["slice"])
+            if "digest" in w:
+                entry["digest"] = w["digest"]
+            weights.append(entry)
+        servers = [{"id": s["id"], "state": s.get("state", "running"), "model": models[s["model"]]["digest"]
+                    if s["model"] in models else s["model"], "port": s["port"], "settings": s.get("settings", {}),
+                    "reason": s.get("reason")} for s in n.get("servers", [])]
+        nodes[name] = {"state": {
+            "identity": {"id": n.get("identity", "0" * 32), "name": name, "enrolled_at": "2026-01-01T00:00:00Z"},
+            "agent_version": "test", "variant": {"accelerator": "cpu"}, "observed_at": n.get("time", "2026-11-30T12:00:00+00:00"),
+            "inventory": {"cores": {"logical": 8, "usable": 8}, "memory": {"total_bytes": 1, "available_bytes": 1},
+                          "disk": {"free_bytes": size(n.get("disk_free", "1T")), "total_bytes": size("2T")},
+                          "gpus": [{"name": "GPU", "uuid": f"GPU-{i}", "memory_total_bytes": size(g),
+                                    "memory_free_bytes": size(g)} for i, g in enumerate(n.get("gpus", []))],
+                          "simulated": True},
+            "availability": {"inside": n.get("inside_window", True), "windows": n.get("windows", [])},
+            "weights": weights, "fetches": [{"digest": models[f]["digest"]} for f in n.get("fetching", [])],
+            "servers": servers}}
+    return {"format_version": "1.0", "nodes": nodes, "manifests": manifests}
+
+
+def run_case(case: Path) -> Plan:
+    loaded = config.load(case / "fleet.yaml")
+    assert loaded.ok and loaded.desired, [d.summary for d in loaded.diagnostics]
+    spec = yaml.safe_load((case / "observed.yaml").read_text()) or {}
+    observed = from_snapshot(snapshot(loaded.document.data, spec))  # type: ignore[union-attr]
+    return plan(loaded.desired, observed, targets=tuple(spec.get("targets", ())))
+
+
+def render_lines(p: Plan) -> dict[str, Any]:
+    changes = []
+    for c in p.changes:
+        line = f"{c.action.value} {c.address}"
+        if c.action.value == "replicate":
+            line += f" from {c.details['peer']}"
+        if c.depends_on:
+            line += " after " + ", ".join(c.depends_on)
+        changes.append(f"{line} -- {c.reason}")
+    return {"changes": changes,
+            "diagnostics": [f"{d.severity.value} {d.code} {d.address}" for d in p.diagnostics]}
