@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+import openai
 import pytest
 
 from tests.agents import SECRET, Agent, agent_env, free_port
@@ -20,7 +21,6 @@ from tests.conftest import fleet_bin
 from tests.models import tiny_gguf, tiny_safetensors
 
 pytestmark = pytest.mark.e2e
-openai = pytest.importorskip("openai", reason="the openai client is a test dependency: pip install -e '.[dev]'")
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 
 
