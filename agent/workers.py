@@ -100,8 +100,23 @@ class Server:
 def _describe_exit(code: int) -> tuple[str, dict[str, Any]]:
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-        return f"killed by signal {-code} ({name})", {"code": None, "signal": -code}
+        return f"was killed by signal {-code} ({name})", {"code": None, "signal": -code}
     return f"exited with code {code}", {"code": code, "signal": None}
+
+
+async def _wait(proc: subprocess.Popen[bytes]) -> int:
+    """Wait for a child without blocking the loop: on its pidfd where Linux has one, else by polling."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        while proc.poll() is None:
+            await trio.sleep(0.1)
+        return proc.returncode
+    try:
+        await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
+    return proc.wait()
 
 
 class Workers:
@@ -214,9 +229,12 @@ class Workers:
         health = BACKENDS[server.backend][3]
         with open(server.log, "ab") as log:
             try:
-                proc = await trio.lowlevel.open_process(server.argv, stdout=log, stderr=subprocess.STDOUT,
-                                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                # Spawned from the event loop's own thread, on purpose: PR_SET_PDEATHSIG fires when
+                # the *thread* that forked the child exits, and trio's open_process forks from a
+                # worker thread that idles out after a few seconds, killing healthy servers.
+                proc = subprocess.Popen(server.argv, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
             except OSError as exc:
                 server.state, server.reason = "failed", f"could not start {server.argv[0]}: {exc}"
                 return
@@ -242,7 +260,7 @@ class Workers:
                         await trio.sleep(0.25)
 
             nursery.start_soon(watch_health)
-            code = await proc.wait()
+            code = await _wait(proc)
             nursery.cancel_scope.cancel()
         how, server.exit = _describe_exit(code)
         if server.state == "stopping":
@@ -257,14 +275,15 @@ class Workers:
         server = self.servers.get(sid)
         if server is None:
             raise Refused(404, "server_not_found", f"no server {sid} on this node")
-        if server.proc is not None and server.proc.returncode is None:
+        if server.proc is not None and server.proc.poll() is None:
             server.state = "stopping"
             server.proc.send_signal(signal.SIGTERM)
             with trio.move_on_after(grace):
-                await server.proc.wait()
-            if server.proc.returncode is None:
+                while server.proc.poll() is None:
+                    await trio.sleep(0.05)
+            if server.proc.poll() is None:
                 server.proc.kill()
-                await server.proc.wait()
+                await _wait(server.proc)
             while server.state == "stopping":  # let the supervisor record the exit
                 await trio.sleep(0.01)
         self.servers.pop(sid, None)

@@ -23,7 +23,7 @@ EXIT_CODES_HELP = """exit codes (the same for every command):
 
 
 def _config_path(args: argparse.Namespace) -> str:
-    return args.file or args.path or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG
+    return args.file or getattr(args, "path", None) or os.environ.get("FLEET_CONFIG") or DEFAULT_CONFIG
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -59,6 +59,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return Exit.OK if valid else Exit.INVALID_CONFIG
 
 
+def _commands(name: str) -> Callable[[argparse.Namespace], int]:
+    def run_command(args: argparse.Namespace) -> int:
+        from . import commands
+
+        try:
+            if name == "unlock":
+                return commands.cmd_unlock(args)
+            return int(getattr(commands, f"cmd_{name}")(args, _config_path(args)))
+        except commands.Stop as stop:
+            return stop.code
+    return run_command
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleet",
@@ -78,6 +91,52 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(func=cmd_validate)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("-f", "--file", metavar="FILE",
+                       help=f"the fleet file (default: $FLEET_CONFIG, else ./{DEFAULT_CONFIG})")
+        p.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                       help="seconds each agent may take to answer (default 10)")
+
+    p = sub.add_parser("observe", help="record what every agent reports, for planning offline",
+                       description="Ask every node's agent for its state and write a snapshot that "
+                                   "`fleet plan --observed FILE` plans against with no network.")
+    common(p)
+    p.add_argument("-o", "--out", metavar="FILE", help="write the snapshot here (default: stdout)")
+    p.set_defaults(func=_commands("observe"))
+
+    p = sub.add_parser("plan", help="diff fleet.yaml against the agents and print the ordered plan",
+                       description="Observe every node, diff against the fleet file and print the plan. "
+                                   "Exit 0: no changes; 2 (with --detailed-exitcode): changes; 3: invalid "
+                                   "file; 4: plan refused by errors.",
+                       epilog="CI:\n  fleet plan --detailed-exitcode --json -o plan.json > plan-output.json",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    common(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (schemas/plan.schema.json)")
+    p.add_argument("-o", "--out", metavar="PLANFILE", help="save the plan; `fleet apply PLANFILE` applies exactly it")
+    p.add_argument("--observed", metavar="SNAPSHOT", help="plan against a snapshot from `fleet observe -o`")
+    p.add_argument("--detailed-exitcode", action="store_true", help="exit 2 when there are changes")
+    p.add_argument("--target", action="append", metavar="ADDRESS",
+                   help="limit the plan to this address and what it depends on (repeatable)")
+    p.set_defaults(func=_commands("plan"))
+
+    p = sub.add_parser("apply", help="carry out the plan (or a saved one)",
+                       description="Plan and apply, or apply a saved plan after checking that neither the "
+                                   "fleet file nor any node it touches changed (exit 6 if they did). Exit 7 "
+                                   "when some actions failed; running again converges.")
+    common(p)
+    p.add_argument("planfile", nargs="?", metavar="PLANFILE", help="a plan saved by `fleet plan -o`")
+    p.add_argument("--auto-approve", action="store_true", help="do not ask for confirmation")
+    p.add_argument("--parallelism", type=int, default=10, metavar="N", help="independent actions at once (10)")
+    p.add_argument("--target", action="append", metavar="ADDRESS", help="limit the plan (repeatable)")
+    p.add_argument("--state-dir", metavar="DIR", help="where the lock and history live "
+                                                      "(default: $FLEET_STATE_DIR or the user state dir)")
+    p.set_defaults(func=_commands("apply"))
+
+    p = sub.add_parser("unlock", help="release an apply lock whose holder is gone for good")
+    p.add_argument("lock_id", metavar="ID", help="the lock id printed by the refused apply")
+    p.add_argument("--state-dir", metavar="DIR", help="where the lock lives")
+    p.set_defaults(func=_commands("unlock"))
     return parser
 
 

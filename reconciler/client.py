@@ -124,15 +124,20 @@ class AgentClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def request(self, node: NodeSpec, method: str, path: str, **kwargs: Any) -> Any:
+    async def request(self, node: NodeSpec, method: str, path: str, *, raw: bool = False, ok404: bool = False,
+                      **kwargs: Any) -> Any:
         try:
             response = await self._http.request(method, node.agent_url + path, **kwargs)
         except httpx.TransportError as exc:
             raise NodeUnreachable(node, _cause(exc)) from None
         if response.status_code == 401:
             raise NodeAuthRejected(node, _error_message(response) or "401 Unauthorized")
+        if response.status_code == 404 and ok404:
+            return None
         if response.status_code >= 400:
             raise AgentHTTPError(node, response.status_code, _error_message(response) or response.reason_phrase)
+        if raw:
+            return response.content
         try:
             return response.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -150,6 +155,29 @@ class AgentClient:
                 raise AgentProtocolError(node, "a required field is missing", field)
             raise AgentProtocolError(node, err.message, field)
         return data  # type: ignore[no-any-return]
+
+
+    async def manifest(self, node: NodeSpec, digest: str) -> bytes:
+        return await self.request(node, "GET", f"/v1/manifests/{digest}", raw=True)  # type: ignore[no-any-return]
+
+    async def weights(self, node: NodeSpec, digest: str) -> dict[str, Any] | None:
+        """Presence or progress of a model on a node; None when the node neither holds nor fetches it."""
+        return await self.request(node, "GET", f"/v1/weights/{digest}", ok404=True)  # type: ignore[no-any-return]
+
+    async def fetch(self, node: NodeSpec, digest: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.request(node, "PUT", f"/v1/weights/{digest}", json=body)  # type: ignore[no-any-return]
+
+    async def delete_weights(self, node: NodeSpec, digest: str) -> None:
+        await self.request(node, "DELETE", f"/v1/weights/{digest}", ok404=True)
+
+    async def start_server(self, node: NodeSpec, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.request(node, "POST", "/v1/servers", json=body)  # type: ignore[no-any-return]
+
+    async def server(self, node: NodeSpec, sid: str) -> dict[str, Any] | None:
+        return await self.request(node, "GET", f"/v1/servers/{sid}", ok404=True)  # type: ignore[no-any-return]
+
+    async def stop_server(self, node: NodeSpec, sid: str) -> None:
+        await self.request(node, "DELETE", f"/v1/servers/{sid}", ok404=True)
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -62,3 +62,23 @@ def print_diagnostics(out: Console, diags: Iterable[Diagnostic], source_text: st
 
 def diagnostics_json(diags: Iterable[Diagnostic]) -> list[dict[str, Any]]:
     return [d.to_json() for d in diags]
+
+
+_SYMBOL = {"replicate": ("+", "green"), "start": ("+", "green"), "replace": ("~", "yellow"),
+           "stop": ("-", "red"), "delete": ("-", "red")}
+
+
+def print_plan(out: Console, plan: Any) -> None:
+    """A plan for people: one block per action with its reason, then the summary line."""
+    if not plan.changes:
+        out.print("[green]No changes.[/] The fleet matches the configuration.")
+    else:
+        out.print("fleet will perform these actions, in this order:\n")
+        for c in plan.changes:
+            sym, colour = _SYMBOL[c.action.value]
+            after = f"  [dim](after {escape(', '.join(c.depends_on))})[/]" if c.depends_on else ""
+            drift = "  [magenta]\\[drift][/]" if c.drift else ""
+            out.print(f"  [{colour}]{sym} {c.action.value}[/] [bold]{escape(c.address)}[/]{after}{drift}")
+            out.print(f"      {escape(c.reason)}")
+        out.print()
+        out.print(f"[bold]{escape(plan.summary())}[/]")
