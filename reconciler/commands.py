@@ -134,6 +134,25 @@ def _report(results: list[Result]) -> None:
 def cmd_apply(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
     err = console(stderr=True)
+    # The lock covers planning too: two applies planning at once would both plan the same work.
+    store = Store(Path(args.state_dir) if args.state_dir else default_state_dir())
+    try:
+        lock, taken = store.acquire(" ".join(["fleet", *sys.argv[1:]]))
+    except LockHeld as exc:
+        err.print(f"[red]error[lock_held]:[/] {exc}\n  = If that process is gone for good: fleet unlock {exc.holder.id}")
+        store.close()
+        return Exit.LOCKED
+    if taken is not None:
+        err.print(f"[yellow]warning:[/] took over the lock of a process that is gone: {taken.describe()}")
+    try:
+        return _apply_locked(loaded, args, store)
+    finally:
+        store.release(lock.id)
+        store.close()
+
+
+def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, store: Store) -> int:
+    err = console(stderr=True)
     if args.planfile:
         try:
             saved = Plan.from_json(json.loads(Path(args.planfile).read_text()))
@@ -164,21 +183,9 @@ def cmd_apply(args: argparse.Namespace, path: str) -> int:
         if answer.strip() != "yes":
             err.print("Apply cancelled; nothing changed.")
             return Exit.OK
-    store = Store(Path(args.state_dir) if args.state_dir else default_state_dir())
-    try:
-        lock, taken = store.acquire(" ".join(["fleet", *sys.argv[1:]]))
-    except LockHeld as exc:
-        err.print(f"[red]error[lock_held]:[/] {exc}\n  = If that process is gone for good: fleet unlock {exc.holder.id}")
-        return Exit.LOCKED
-    if taken is not None:
-        err.print(f"[yellow]warning:[/] took over the lock of a process that is gone: {taken.describe()}")
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    try:
-        results = trio.run(_execute, loaded.desired, p, args)
-        store.record_apply(started, p.config_digest, p.summary(), [asdict(r) for r in results])
-    finally:
-        store.release(lock.id)
-        store.close()
+    results = trio.run(_execute, loaded.desired, p, args)
+    store.record_apply(started, p.config_digest, p.summary(), [asdict(r) for r in results])
     _report(results)
     failed = [r for r in results if r.status != "done"]
     if failed:
