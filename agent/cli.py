@@ -163,6 +163,17 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from . import simulate
+
+    held = []
+    for spec in args.hold or ():
+        digest, fmt, size = spec.rsplit(":", 2) if spec.count(":") >= 3 else (spec, "safetensors", "1000")
+        held.append({"digest": digest, "format": fmt, "bytes": int(size)})
+    simulate.serve(Path(args.dir), args.first, args.count, args.port, _secret(), Path(args.gpus), held)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleet-agent",
@@ -220,6 +231,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
     p.set_defaults(func=cmd_make_test_model)
+
+    p = sub.add_parser("simulate", help="SIMULATION: many agents in one process, for benchmarks",
+                       description="Host COUNT simulated agents in this process, on consecutive loopback "
+                                   "addresses from FIRST, all on PORT. The HTTP API is the real agent's; "
+                                   "GPUs, held weights and servers are simulated (no engine is started) "
+                                   "and the state says so. For benchmarks and scale tests only.")
+    p.add_argument("--dir", required=True, help="a directory for the simulated homes")
+    p.add_argument("--first", default="127.1.0.1", help="the first address (default 127.1.0.1)")
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--gpus", required=True, help="a simulated GPU file (JSON), as for serve --simulate-gpus")
+    p.add_argument("--hold", action="append", metavar="DIGEST:FORMAT:BYTES",
+                   help="claim to hold this model (simulated; repeatable)")
+    p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("doctor", help="check this machine: directories, GPUs, engine builds",
                        description="Print the start-up checks (writable home and engine caches) and the "

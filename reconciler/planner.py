@@ -209,6 +209,7 @@ class _Planner:
 
     def servers(self, wants: dict[str, dict[str, Want]]) -> set[tuple[str, str]]:
         desired_ids: set[tuple[str, str]] = set()
+        replicating = {ch.address for ch in self.changes if ch.action is Action.REPLICATE}
         for c in self.d.clusters.values():
             model = self.d.models[c.model]
             previous: str | None = None
@@ -236,7 +237,7 @@ class _Planner:
                            "port": c.port, "host": host, "settings": settings}
                 deps = [f"replica.{w.address_model}@{node}" for w in wants[node].values()
                         if w.digest in (model.digest, settings.get("speculative", {}).get("draft_digest"))
-                        and any(ch.address == f"replica.{w.address_model}@{node}" for ch in self.changes)]
+                        and f"replica.{w.address_model}@{node}" in replicating]
                 if previous:
                     deps.append(previous)
                 current = obs.servers.get(sid)

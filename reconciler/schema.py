@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 from functools import cache
@@ -9,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import fastjsonschema
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError, best_match
 
@@ -72,7 +74,20 @@ def _description(err: ValidationError) -> str:
     return ""
 
 
+@cache
+def _fast() -> Any:
+    """The schema compiled to Python (fastjsonschema): the fast path for valid files, which at
+    thousands of nodes is most of `fleet plan`'s start. Its keywords mean the same in draft 7;
+    on any failure the generic 2020-12 validator below finds and explains every error."""
+    return fastjsonschema.compile({**copy.deepcopy(load_schema()), "$schema": "http://json-schema.org/draft-07/schema#"})
+
+
 def validate(doc: Document) -> list[Diagnostic]:
+    try:
+        _fast()(doc.data)
+        return []
+    except fastjsonschema.JsonSchemaException:
+        pass
     diags: list[Diagnostic] = []
     for err in sorted(_validator().iter_errors(doc.data), key=lambda e: [str(p) for p in e.absolute_path]):
         if err.validator in ("oneOf", "anyOf") and err.context and isinstance(err.instance, (dict, list)):
