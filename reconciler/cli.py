@@ -133,6 +133,32 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "(default: $FLEET_STATE_DIR or the user state dir)")
     p.set_defaults(func=_commands("apply"))
 
+    p = sub.add_parser("serve", help="run the control plane: heartbeat, alerts and the client router",
+                       description="Poll every agent on an interval, keep node status, server rows and "
+                                   "node_offline alerts in the store, and serve OpenAI-compatible client "
+                                   "traffic on control_plane.listen, relayed to a running member.")
+    common(p)
+    p.add_argument("--state-dir", metavar="DIR", help="the store (default: $FLEET_STATE_DIR or the user state dir)")
+    p.add_argument("--interval", type=float, default=30.0, metavar="S", help="seconds between heartbeats (30)")
+    p.add_argument("--misses", type=int, default=2, metavar="N",
+                   help="missed beats before a node_offline alert (2)")
+    p.set_defaults(func=_commands("serve"))
+
+    p = sub.add_parser("nodes", help="one line per node, from the store `fleet serve` keeps")
+    p.add_argument("-f", "--file", metavar="FILE", help=argparse.SUPPRESS)
+    p.add_argument("--wide", action="store_true", help="add address, identity, version, variant, windows and "
+                                                       "every failure reason in full")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--state-dir", metavar="DIR")
+    p.set_defaults(func=_commands("nodes"))
+
+    p = sub.add_parser("alerts", help="open alerts (--all: cleared ones too)")
+    p.add_argument("-f", "--file", metavar="FILE", help=argparse.SUPPRESS)
+    p.add_argument("--all", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--state-dir", metavar="DIR")
+    p.set_defaults(func=_commands("alerts"))
+
     p = sub.add_parser("unlock", help="release an apply lock whose holder is gone for good")
     p.add_argument("lock_id", metavar="ID", help="the lock id printed by the refused apply")
     p.add_argument("--state-dir", metavar="DIR", help="where the lock lives")

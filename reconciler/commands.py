@@ -219,3 +219,100 @@ def cmd_unlock(args: argparse.Namespace) -> int:
     store.release(holder.id)
     console(stderr=True).print(f"released the lock of {holder.describe()}")
     return Exit.OK
+
+
+def cmd_serve(args: argparse.Namespace, path: str) -> int:
+    import logging
+
+    from .serve.run import ServeRefused, serve
+
+    loaded = _load(path)
+    assert loaded.desired is not None
+    logging.basicConfig(level=logging.INFO, format="fleet serve: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per heartbeat request is noise
+    store = Store(Path(args.state_dir) if args.state_dir else default_state_dir())
+    try:
+        trio.run(lambda: serve(loaded.desired, _secret(), store, interval=args.interval, misses=args.misses,
+                               timeout=args.timeout))
+    except ServeRefused as exc:
+        console(stderr=True).print(f"[red]error:[/] {exc}")
+        return Exit.INVALID_CONFIG
+    except OSError as exc:
+        console(stderr=True).print(f"[red]error:[/] cannot listen on {loaded.desired.control_plane.listen}: "
+                                   f"{exc.strerror or exc}")
+        return Exit.FAILURE
+    finally:
+        store.close()
+    return Exit.OK
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def cmd_nodes(args: argparse.Namespace, path: str) -> int:
+    from rich.table import Table
+
+    store = Store(Path(args.state_dir) if args.state_dir else default_state_dir())
+    nodes, rows, alerts = store.nodes(), store.server_rows(), store.alerts()
+    store.close()
+    loaded = config.load(path) if Path(path).is_file() else None  # for addresses, when the file is here
+    specs = loaded.desired.nodes if loaded is not None and loaded.desired is not None else {}
+    if args.json:
+        print(json.dumps({"nodes": nodes, "servers": rows, "alerts": alerts}, indent=2))
+        return Exit.OK
+    if not nodes:
+        console(stderr=True).print("no node has been seen yet: `fleet serve` records what its heartbeat finds")
+        return Exit.OK
+    table = Table(box=None, pad_edge=False)
+    for col in ["NODE", "STATUS", "LAST SEEN", "GPUS (FREE/TOTAL GiB)", "MODELS", "SERVERS"] + (
+            ["ADDRESS", "IDENTITY", "VERSION", "VARIANT", "WINDOWS"] if args.wide else []):
+        table.add_column(col, overflow="fold" if args.wide else "ellipsis", no_wrap=not args.wide)
+    failures = []
+    for n in nodes:
+        st = n["state"] or {}
+        inv = st.get("inventory", {})
+        gpus = ", ".join(f"{_gib(g['memory_free_bytes'])}/{_gib(g['memory_total_bytes'])}" for g in inv.get("gpus", []))
+        models = ", ".join((w.get("name") or w["digest"][7:19]) + (f"[{w['slice']['layers']}]" if w.get("slice") else "")
+                           for w in st.get("weights", []))
+        servers = ", ".join(f"{r['cluster']}:{r['state']}" for r in rows if r["node"] == n["name"])
+        row = [n["name"], n["status"], n["last_seen"] or "never", gpus or "-", models or "-", servers or "-"]
+        if args.wide:
+            avail = st.get("availability", {})
+            spec = specs.get(n["name"])
+            row += [f"{spec.address}:{spec.agent_port}" if spec else "-", st.get("identity", {}).get("id", "-"), st.get("agent_version", "-"),
+                    st.get("variant", {}).get("accelerator", "-"),
+                    ", ".join(avail.get("windows", [])) or "always"]
+        table.add_row(*row)
+        if n["error"]:
+            failures.append(f"{n['name']}: {n['error']}")
+    for r in rows:
+        if r["reason"] and r["state"] not in ("running",):
+            failures.append(f"{r['id']} ({r['state']}): {r['reason']}")
+    out = console(stderr=False)
+    if not out.is_terminal:
+        out.width = 250  # a pipe or CI log: do not squeeze the table into 80 columns
+    out.print(table)
+    for a in alerts:
+        out.print(f"[red]ALERT[/] {a['kind']} {a['node']} since {a['raised_at']}: {a['cause']}")
+    if args.wide and failures:
+        out.print("\nfailures, in full:")
+        for f in failures:
+            out.print(f"  {f}", markup=False)
+    return Exit.OK
+
+
+def cmd_alerts(args: argparse.Namespace, path: str) -> int:
+    store = Store(Path(args.state_dir) if args.state_dir else default_state_dir())
+    alerts = store.alerts(include_cleared=args.all)
+    store.close()
+    if args.json:
+        print(json.dumps(alerts, indent=2))
+        return Exit.OK
+    if not alerts:
+        console(stderr=False).print("no alerts" if not args.all else "no alerts recorded")
+    for a in alerts:
+        state = f"cleared {a['cleared_at']}" if a["cleared_at"] else "OPEN"
+        console(stderr=False).print(f"{a['kind']} {a['node']} raised {a['raised_at']} ({state}): {a['cause']}",
+                                    markup=False)
+    return Exit.OK

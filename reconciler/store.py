@@ -21,6 +21,17 @@ CREATE TABLE IF NOT EXISTS lock (
   id TEXT NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL, user TEXT NOT NULL,
   since TEXT NOT NULL, command TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS nodes (
+  name TEXT PRIMARY KEY, status TEXT NOT NULL, last_seen TEXT, error TEXT, state TEXT, checked TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS server_rows (
+  id TEXT PRIMARY KEY, cluster TEXT NOT NULL, node TEXT NOT NULL, model TEXT NOT NULL, port INTEGER NOT NULL,
+  state TEXT NOT NULL, reason TEXT, updated TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS alerts (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, node TEXT NOT NULL, kind TEXT NOT NULL, cause TEXT NOT NULL,
+  raised_at TEXT NOT NULL, cleared_at TEXT
+);
 CREATE TABLE IF NOT EXISTS applies (
   id INTEGER PRIMARY KEY AUTOINCREMENT, started TEXT NOT NULL, finished TEXT,
   config_digest TEXT, summary TEXT, results TEXT
@@ -101,6 +112,56 @@ class Store:
     def holder(self) -> Holder | None:
         row = self.db.execute("SELECT id, host, pid, user, since, command FROM lock").fetchone()
         return Holder(*row) if row else None
+
+    # ---- what `fleet serve` keeps, and `fleet nodes` / `fleet alerts` read ----
+
+    def put_node(self, name: str, status: str, when: str, *, state: dict[str, Any] | None, error: str | None) -> None:
+        if state is not None:
+            self.db.execute("INSERT INTO nodes (name, status, last_seen, error, state, checked) VALUES (?,?,?,?,?,?) "
+                            "ON CONFLICT(name) DO UPDATE SET status=excluded.status, last_seen=excluded.last_seen, "
+                            "error=NULL, state=excluded.state, checked=excluded.checked",
+                            (name, status, when, None, json.dumps(state), when))
+        else:
+            self.db.execute("INSERT INTO nodes (name, status, error, checked) VALUES (?,?,?,?) "
+                            "ON CONFLICT(name) DO UPDATE SET status=excluded.status, error=excluded.error, "
+                            "checked=excluded.checked", (name, status, error, when))
+
+    def nodes(self) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT name, status, last_seen, error, state, checked FROM nodes ORDER BY name")
+        return [{"name": r[0], "status": r[1], "last_seen": r[2], "error": r[3],
+                 "state": json.loads(r[4]) if r[4] else None, "checked": r[5]} for r in rows]
+
+    def put_server_row(self, row: dict[str, Any], when: str) -> None:
+        self.db.execute("INSERT INTO server_rows (id, cluster, node, model, port, state, reason, updated) "
+                        "VALUES (:id, :cluster, :node, :model, :port, :state, :reason, :updated) "
+                        "ON CONFLICT(id) DO UPDATE SET cluster=excluded.cluster, node=excluded.node, "
+                        "model=excluded.model, port=excluded.port, state=excluded.state, reason=excluded.reason, "
+                        "updated=excluded.updated", {**row, "updated": when})
+
+    def server_rows(self) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT id, cluster, node, model, port, state, reason, updated FROM server_rows "
+                               "ORDER BY cluster, id")
+        keys = ("id", "cluster", "node", "model", "port", "state", "reason", "updated")
+        return [dict(zip(keys, r)) for r in rows]
+
+    def open_alert(self, node: str, kind: str) -> dict[str, Any] | None:
+        r = self.db.execute("SELECT id, cause, raised_at FROM alerts WHERE node=? AND kind=? AND cleared_at IS NULL",
+                            (node, kind)).fetchone()
+        return {"id": r[0], "cause": r[1], "raised_at": r[2]} if r else None
+
+    def raise_alert(self, node: str, kind: str, cause: str, when: str) -> None:
+        if self.open_alert(node, kind) is None:
+            self.db.execute("INSERT INTO alerts (node, kind, cause, raised_at) VALUES (?,?,?,?)", (node, kind, cause, when))
+
+    def clear_alert(self, node: str, kind: str, when: str) -> bool:
+        return self.db.execute("UPDATE alerts SET cleared_at=? WHERE node=? AND kind=? AND cleared_at IS NULL",
+                               (when, node, kind)).rowcount > 0
+
+    def alerts(self, include_cleared: bool = False) -> list[dict[str, Any]]:
+        sql = "SELECT id, node, kind, cause, raised_at, cleared_at FROM alerts"
+        sql += "" if include_cleared else " WHERE cleared_at IS NULL"
+        keys = ("id", "node", "kind", "cause", "raised_at", "cleared_at")
+        return [dict(zip(keys, r)) for r in self.db.execute(sql + " ORDER BY id")]
 
     def record_apply(self, started: str, config_digest: str, summary: str, results: list[dict[str, Any]]) -> None:
         self.db.execute("INSERT INTO applies (started, finished, config_digest, summary, results) VALUES (?,?,?,?,?)",

@@ -194,19 +194,20 @@ def test_resume_after_sigkill_at_random_points(tmp_path: Path) -> None:
         sha = json.loads(src_agent.get(f"/v1/manifests/{digest}").content)["files"][0]["sha256"]
         partial = dst.home / "store" / "partial" / f"{sha}.part"
         rng = random.Random(1234)
-        kill_at = sorted(rng.uniform(0.1, 0.9) for _ in range(3))
+        kill_at = sorted(rng.uniform(0.1, 0.8) for _ in range(3))
         kept_before = 0
         transferred = 0
         for fraction in kill_at:
             dst.start()
             assert dst.get(f"/v1/weights/{digest}").status_code == 404  # a partial is not present
+            assert digest not in [w["digest"] for w in dst.get("/v1/state").json()["weights"]]
             put(dst, digest, src_agent)
-            while True:
-                body = dst.get(f"/v1/weights/{digest}").json()
-                assert body["state"] == "fetching", body.get("error")  # never present before it is complete
-                if body["bytes_done"] >= fraction * size:
-                    break
-                time.sleep(0.002)
+            deadline = time.monotonic() + 60
+            # Watch the partial file itself: a stat is cheap enough to poll finely, so the kill
+            # lands near its mark even when the transfer runs at hundreds of MB/s.
+            while not partial.exists() or partial.stat().st_size < fraction * size:
+                assert time.monotonic() < deadline
+                time.sleep(0.0005)
             dst.stop(signal.SIGKILL)
             on_disk = partial.stat().st_size
             assert kept_before <= on_disk <= size

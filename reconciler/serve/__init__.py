@@ -1,0 +1,1 @@
+"""`fleet serve`: the control plane's long-running side (heartbeat, alerts, router)."""

@@ -1,0 +1,76 @@
+"""A small real fleet for end-to-end tests: agents cp, a, b on 127.0.0.2-4 sharing a port, the
+tiny models imported on cp, and a fleet file the test rewrites as it goes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from tests.agents import Agent, agent_env, free_port
+from tests.conftest import fleet_bin
+from tests.models import tiny_gguf, tiny_safetensors
+
+
+class Fleet:
+    def __init__(self, base: Path, agents: dict[str, Agent], digests: dict[str, str]) -> None:
+        self.base, self.agents, self.digests = base, agents, digests
+        self.file = base / "fleet.yaml"
+        self.state_dir = base / "state"
+        self.server_port = free_port("127.0.0.2", "127.0.0.3", "127.0.0.4")
+
+    def write(self, replicas: str = "", clusters: str = "", extra_models: str = "", listen: str = "") -> None:
+        nodes = "\n".join(f"  {n}: {{address: {a.address}, agent_port: {a.port}}}" for n, a in self.agents.items())
+        listen = f", listen: {listen}" if listen else ""
+        self.file.write_text(f"""version: 1
+control_plane: {{node: cp{listen}}}
+nodes:
+{nodes}
+models:
+  tiny: {{format: safetensors, digest: "{self.digests['tiny']}", source: cp}}
+  tiny-q: {{format: gguf, digest: "{self.digests['tiny-q']}", source: cp}}
+{extra_models}
+replicas:
+{replicas or '  tiny: [cp]'}
+clusters:
+{clusters or '  {}'}
+""".replace("clusters:\n  {}", "clusters: {}"))
+
+    def run(self, *args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([fleet_bin(), *args, "-f", str(self.file)], capture_output=True, text=True,
+                              timeout=timeout, env=agent_env(FLEET_STATE_DIR=str(self.state_dir), **(env or {})),
+                              stdin=subprocess.DEVNULL)
+
+    def states(self) -> dict[str, dict]:
+        return {n: a.get("/v1/state").json() for n, a in self.agents.items()}
+
+
+def import_model(agent: Agent, path: Path) -> str:
+    proc = subprocess.run([fleet_bin("fleet-agent"), "import", "--home", str(agent.home), str(path), "--json"],
+                          capture_output=True, text=True, timeout=300, env=agent_env(), check=True)
+    return str(json.loads(proc.stdout)["digest"])
+
+
+
+@contextmanager
+def three_node_fleet(base: Path) -> Iterator[Fleet]:
+    port = free_port("127.0.0.2", "127.0.0.3", "127.0.0.4")
+    agents = {n: Agent(n, f"127.0.0.{i}", port, base / n) for n, i in (("cp", 2), ("a", 3), ("b", 4))}
+    try:
+        for a in agents.values():
+            a.start()
+        digests = {"tiny": import_model(agents["cp"], tiny_safetensors(base / "models")),
+                   "tiny-q": import_model(agents["cp"], tiny_gguf(base / "models"))}
+        yield Fleet(base, agents, digests)
+    finally:
+        for a in agents.values():
+            a.stop()
+
+
+def chat(f: Fleet, members: str = "[a, b]", context: int = 256) -> str:
+    return (f"  chat: {{model: tiny, members: {members}, port: {f.server_port}, "
+            f"settings: {{context_length: {context}, threads: 1, startup_timeout_s: 120}}}}")
+
+

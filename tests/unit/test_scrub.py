@@ -1,0 +1,38 @@
+"""The scrubber finds a path cut at any byte boundary, and never leaves a longer path's prefix."""
+
+from __future__ import annotations
+
+import pytest
+
+from reconciler.serve.scrub import Scrubber
+
+HOME = "/var/lib/fleet-agent"
+STORE = HOME + "/store/models/6d61a17b10fd54a6"
+BODY = (f'data: {{"model":"{STORE}","text":"hi"}}\n\ndata: {{"path":"{HOME}/x","n":1}}\n\n'
+        f'data: {{"model":"{STORE}"}}\n\n').encode()
+EXPECTED = (b'data: {"model":"chat","text":"hi"}\n\ndata: {"path":"chat/x","n":1}\n\n'
+            b'data: {"model":"chat"}\n\n')
+
+
+def run(chunks: list[bytes]) -> bytes:
+    s = Scrubber([HOME, STORE], "chat")
+    return b"".join(s.feed(c) for c in chunks) + s.flush()
+
+
+def test_whole_body() -> None:
+    assert run([BODY]) == EXPECTED
+
+
+@pytest.mark.parametrize("cut", range(len(BODY) + 1))
+def test_every_two_chunk_cut(cut: int) -> None:
+    assert run([BODY[:cut], BODY[cut:]]) == EXPECTED
+
+
+def test_byte_by_byte_and_nothing_leaks() -> None:
+    out = run([BODY[i:i + 1] for i in range(len(BODY))])
+    assert out == EXPECTED and b"/var/lib" not in out
+
+
+def test_no_paths_is_a_pass_through() -> None:
+    s = Scrubber([], "x")
+    assert s.feed(b"abc") + s.flush() == b"abc"
