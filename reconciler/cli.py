@@ -159,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", metavar="DIR")
     p.set_defaults(func=_commands("alerts"))
 
+    p = sub.add_parser("demo", help="run fleet's whole job on this machine: agents, models, plan, apply, serve",
+                       description="Start three real agents on loopback addresses, make tiny real models, "
+                                   "write and show a fleet file, plan, apply, serve, and stream an answer "
+                                   "through the control plane. Needs no network and no GPU. Stops every "
+                                   "process it started; writes only under its directory.")
+    p.add_argument("--dir", metavar="DIR", help="keep everything in DIR (default: a temporary directory, removed)")
+    p.add_argument("--first-address", default="127.0.0.2", metavar="ADDR",
+                   help="the first of three consecutive loopback addresses (default 127.0.0.2)")
+    p.set_defaults(func=lambda args: __import__("reconciler.demo", fromlist=["cmd_demo"]).cmd_demo(args))
+
     p = sub.add_parser("unlock", help="release an apply lock whose holder is gone for good")
     p.add_argument("lock_id", metavar="ID", help="the lock id printed by the refused apply")
     p.add_argument("--state-dir", metavar="DIR", help="where the lock lives")

@@ -85,3 +85,8 @@ def test_json_output_shape(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out == {"format_version": "1.0", "valid": True, "error_count": 0, "warning_count": 0,
                    "diagnostics": []}
+
+
+@pytest.mark.parametrize("name", ["local-demo.yaml", "multi-node.yaml"])
+def test_example_fleets_are_valid(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.run(["validate", str(ROOT / "examples" / name)]) == 0, capsys.readouterr().err
