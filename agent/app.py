@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -227,6 +229,12 @@ def create_app(ctx: AgentContext) -> ASGIApp:
         server = await ctx.workers.stop(request.path_params["sid"])
         return JSONResponse(server.to_json())
 
+    registry = CollectorRegistry()
+    registry.register(_AgentCollector(ctx))
+
+    async def metrics(_: Request) -> Response:
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+
     async def refused(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, Refused)
         return error_response(exc.status, exc.code, exc.message)
@@ -245,10 +253,34 @@ def create_app(ctx: AgentContext) -> ASGIApp:
                             Route("/v1/servers", list_servers, methods=["GET"]),
                             Route("/v1/servers", post_server, methods=["POST"]),
                             Route("/v1/servers/{sid}", get_server, methods=["GET"]),
-                            Route("/v1/servers/{sid}", delete_server, methods=["DELETE"])],
+                            Route("/v1/servers/{sid}", delete_server, methods=["DELETE"]),
+                            Route("/metrics", metrics)],
                     exception_handlers=handlers)  # type: ignore[arg-type]
     app.state.ctx = ctx
     return BearerAuth(app, ctx.secret)
+
+
+class _AgentCollector:
+    """Read at scrape time from the agent's own tables: nothing to keep in step."""
+
+    def __init__(self, ctx: AgentContext) -> None:
+        self.ctx = ctx
+
+    def collect(self) -> Any:
+        servers = GaugeMetricFamily("fleet_agent_servers", "Servers by state", labels=["state"])
+        counts: dict[str, int] = {}
+        for srv in self.ctx.workers.servers.values():
+            counts[srv.state] = counts.get(srv.state, 0) + 1
+        for state in ("starting", "running", "failed", "stopping"):
+            servers.add_metric([state], counts.get(state, 0))
+        yield servers
+        fetched = CounterMetricFamily("fleet_agent_fetched_bytes", "Bytes fetched from peers by this agent")
+        fetched.add_metric([], sum(j.bytes_fetched for j in self.ctx.fetcher.jobs.values()))
+        yield fetched
+        yield GaugeMetricFamily("fleet_agent_fetches_in_flight", "Weight fetches running",
+                                value=len(self.ctx.fetcher.active()))
+        yield GaugeMetricFamily("fleet_agent_models_held", "Models present in the store",
+                                value=sum(1 for _ in self.ctx.store.digests()))
 
 
 def routes(app: ASGIApp) -> list[tuple[str, set[str]]]:

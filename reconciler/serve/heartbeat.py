@@ -35,7 +35,8 @@ class View:
 
 class Heartbeat:
     def __init__(self, desired: Desired, client: AgentClient, store: Store, *, interval: float = DEFAULT_INTERVAL_S,
-                 misses: int = DEFAULT_MISSES, timeout: float = 10.0, now: Callable[[], str] = utc_now) -> None:
+                 misses: int = DEFAULT_MISSES, timeout: float = 10.0, now: Callable[[], str] = utc_now,
+                 on_beat: Callable[[float], None] | None = None) -> None:
         self.d = desired
         self.client = client
         self.store = store
@@ -43,9 +44,11 @@ class Heartbeat:
         self.threshold = misses
         self.timeout = min(timeout, interval)
         self.now = now
+        self.on_beat = on_beat or (lambda seconds: None)
         self.view = View()
 
     async def beat(self) -> None:
+        started = trio.current_time()
         snapshot = await observe(self.d, self.client, timeout=self.timeout)
         when = self.now()
         for name, entry in snapshot["nodes"].items():
@@ -67,6 +70,7 @@ class Heartbeat:
                 self.store.raise_alert(name, "node_offline", cause, when)
         self.reconcile_rows(when)
         self.view.beats += 1
+        self.on_beat(trio.current_time() - started)
 
     def reconcile_rows(self, when: str) -> None:
         """One row per cluster member; its state is what the agent reports, or why it cannot say."""

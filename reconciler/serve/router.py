@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 from ..model import ClusterSpec, Desired
 from .heartbeat import View
+from .metrics import ServeMetrics
 from .scrub import Scrubber
 
 
@@ -24,8 +25,10 @@ def api_error(status: int, code: str, message: str) -> JSONResponse:
 
 class Router:
     def __init__(self, desired: Desired, view: View, *, api_keys: list[str] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None, timeout: float = 300.0) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, timeout: float = 300.0,
+                 metrics: ServeMetrics | None = None) -> None:
         self.d = desired
+        self.metrics = metrics or ServeMetrics()
         self.view = view
         self.keys = [k.encode() for k in api_keys or []]
         self.outstanding: dict[str, int] = {}
@@ -68,6 +71,11 @@ class Router:
     # ---- relaying ----
 
     async def relay(self, request: Request) -> Response:
+        response = await self._relay(request)
+        self.metrics.requests.labels(getattr(request.state, "cluster", "-"), str(response.status_code)).inc()
+        return response
+
+    async def _relay(self, request: Request) -> Response:
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -76,6 +84,7 @@ class Router:
         except (ValueError, KeyError, TypeError, AssertionError):
             return api_error(400, "invalid_request", "the body must be JSON with a `model` naming a cluster")
         cluster = self.cluster_for(name)
+        request.state.cluster = cluster.name if cluster else "-"
         if cluster is None:
             return api_error(404, "model_not_found", f"no cluster or model named {name!r}; see GET /v1/models")
         members, why = self.candidates(cluster)
@@ -104,7 +113,9 @@ class Router:
                 finally:
                     await response.aclose()
                     self.outstanding[node] -= 1
-                return Response(scrub.feed(content) + scrub.flush(), status_code=response.status_code,
+                content = scrub.feed(content) + scrub.flush()
+                self.metrics.relay_bytes.inc(len(content))
+                return Response(content, status_code=response.status_code,
                                 media_type=response.headers.get("content-type", "application/json"))
             return StreamingResponse(self._stream(response, scrub, node), status_code=response.status_code,
                                      media_type=response.headers.get("content-type", "text/event-stream"))
@@ -113,10 +124,12 @@ class Router:
     async def _stream(self, response: httpx.Response, scrub: Scrubber, node: str) -> AsyncIterator[bytes]:
         # Once bytes went to the client the request is never retried elsewhere: a member that
         # dies mid-stream ends the stream cleanly, with an error event naming the machine.
+        self.metrics.streams.inc()
         try:
             async for chunk in response.aiter_raw():
                 out = scrub.feed(chunk)
                 if out:
+                    self.metrics.relay_bytes.inc(len(out))
                     yield out
             tail = scrub.flush()
             if tail:
@@ -127,6 +140,7 @@ class Router:
                                "type": "fleet_error", "code": "member_failed_mid_stream", "node": node}}
             yield tail + b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
         finally:
+            self.metrics.streams.dec()
             await response.aclose()
             self.outstanding[node] -= 1
 
@@ -154,6 +168,13 @@ class Router:
         async def healthz(_: Request) -> Response:
             return JSONResponse({"status": "ok", "beats": self.view.beats})
 
-        return Starlette(routes=[Route("/healthz", healthz), Route("/v1/models", models),
+        async def metrics(request: Request) -> Response:
+            if not self.authorized(request):
+                return api_error(401, "invalid_api_key", "a valid API key is required (Authorization: Bearer KEY)")
+            for node in self.d.nodes:
+                self.metrics.node_up.labels(node).set(1 if self.view.online.get(node) else 0)
+            return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+        return Starlette(routes=[Route("/healthz", healthz), Route("/v1/models", models), Route("/metrics", metrics),
                                  Route("/v1/completions", relay, methods=["POST"]),
                                  Route("/v1/chat/completions", relay, methods=["POST"])])

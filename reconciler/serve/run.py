@@ -14,6 +14,7 @@ from ..client import AgentClient
 from ..model import Desired
 from ..store import Store
 from .heartbeat import Heartbeat
+from .metrics import ServeMetrics
 from .router import Router
 
 log = logging.getLogger("fleet")
@@ -38,8 +39,10 @@ async def serve(desired: Desired, secret: str, store: Store, *, interval: float,
                 timeout: float) -> None:
     keys = api_keys(desired)
     async with AgentClient(secret, timeout=timeout) as client:
-        heartbeat = Heartbeat(desired, client, store, interval=interval, misses=misses, timeout=timeout)
-        router = Router(desired, heartbeat.view, api_keys=keys)
+        metrics = ServeMetrics()
+        heartbeat = Heartbeat(desired, client, store, interval=interval, misses=misses, timeout=timeout,
+                              on_beat=metrics.beat_seconds.observe)
+        router = Router(desired, heartbeat.view, api_keys=keys, metrics=metrics)
         config = Config()
         host, _, port = desired.control_plane.listen.rpartition(":")
         config.bind = [f"{host}:{port}"]

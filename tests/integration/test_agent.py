@@ -276,3 +276,11 @@ def test_tls_agent_and_client(tmp_path: Path) -> None:
             httpx.get(f"http://127.0.0.5:{a.port}/healthz", timeout=2)
     finally:
         a.stop()
+
+
+def test_agent_metrics_need_the_secret_and_report_the_tables(agents: tuple[Agent, Agent]) -> None:
+    a = agents[0]
+    assert a.get("/metrics", secret=None).status_code == 401
+    text = a.get("/metrics").text
+    assert 'fleet_agent_servers{state="running"} 0.0' in text
+    assert "fleet_agent_fetches_in_flight 0.0" in text and "fleet_agent_models_held" in text

@@ -1,0 +1,21 @@
+"""Prometheus metrics of `fleet serve`, in a registry of their own (one per process, never global)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("fleet_requests_total", "Client requests by cluster and HTTP status",
+                                ["cluster", "status"], registry=self.registry)
+        self.streams = Gauge("fleet_streams_in_flight", "Streams being relayed now", registry=self.registry)
+        self.relay_bytes = Counter("fleet_relay_bytes_total", "Bytes relayed to clients", registry=self.registry)
+        self.node_up = Gauge("fleet_node_up", "1 when the node answered the last heartbeat", ["node"],
+                             registry=self.registry)
+        self.beat_seconds = Histogram("fleet_heartbeat_seconds", "Time one heartbeat took (all nodes)",
+                                      registry=self.registry, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

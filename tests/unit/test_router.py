@@ -1,0 +1,92 @@
+"""The router in-process (httpx ASGI transport both ways): member choice, 503 reasons, API keys,
+metrics. The upstream is a tiny ASGI app standing in for a worker."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+from reconciler.serve.heartbeat import View
+from reconciler.serve.router import Router
+
+DIGEST = "sha256:" + "1" * 64
+HOME = {"a": "/srv/a-home", "b": "/srv/b-home"}
+
+
+def desired() -> Desired:
+    nodes = {"cp": NodeSpec("cp", "10.0.0.1"), "a": NodeSpec("a", "10.0.0.2"), "b": NodeSpec("b", "10.0.0.3")}
+    return Desired(1, ControlPlaneSpec("cp"), nodes, {"m": ModelSpec("m", "safetensors", DIGEST, "cp")}, (),
+                   {"chat": ClusterSpec("chat", "m", ("a", "b"), 9001)})
+
+
+def view(states: dict[str, str | None]) -> View:
+    v = View()
+    for node, state in states.items():
+        v.online[node] = state != "offline"
+        servers = [] if state in (None, "offline") else [{"id": f"chat@{node}", "state": state, "model": DIGEST,
+                                                           "reason": "exited with code 1\nTraceback..."}]
+        v.states[node] = {"servers": servers, "inventory": {"disk": {"path": HOME[node]}},
+                          "weights": [{"path": HOME[node] + "/store/models/abc"}]}
+    return v
+
+
+def upstream() -> httpx.ASGITransport:
+    async def completions(request: Request) -> JSONResponse:
+        node = "a" if request.url.hostname == "10.0.0.2" else "b"
+        return JSONResponse({"model": HOME[node] + "/store/models/abc", "served_by": node})
+    return httpx.ASGITransport(app=Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])]))
+
+
+def call(router: Router, path: str = "/v1/completions", body: Any = None, headers: dict[str, str] | None = None,
+         method: str = "POST") -> httpx.Response:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router.app()), base_url="http://cp") as c:
+            return await c.request(method, path, json=body, headers=headers or {})
+    return trio.run(go)
+
+
+def test_routes_to_a_running_member_and_scrubs_its_paths() -> None:
+    router = Router(desired(), view({"a": "failed", "b": "running"}), transport=upstream())
+    r = call(router, body={"model": "chat", "prompt": "x"})
+    assert r.status_code == 200 and r.json() == {"model": "chat", "served_by": "b"}
+
+
+def test_model_name_also_finds_its_cluster() -> None:
+    router = Router(desired(), view({"a": "running", "b": "running"}), transport=upstream())
+    assert call(router, body={"model": "m", "prompt": "x"}).json()["served_by"] == "a"
+
+
+def test_no_running_member_is_503_with_every_reason() -> None:
+    router = Router(desired(), view({"a": "offline", "b": "failed"}), transport=upstream())
+    r = call(router, body={"model": "chat", "prompt": "x"})
+    assert r.status_code == 503
+    message = r.json()["error"]["message"]
+    assert "'chat'" in message and "a: node offline" in message and "b: server failed (exited with code 1)" in message
+
+
+def test_api_keys_are_required_when_configured() -> None:
+    router = Router(desired(), view({"a": "running", "b": "running"}), transport=upstream(), api_keys=["k-123"])
+    assert call(router, body={"model": "chat"}).status_code == 401
+    assert call(router, body={"model": "chat"}, headers={"Authorization": "Bearer k-124"}).status_code == 401
+    ok = call(router, body={"model": "chat", "prompt": "x"}, headers={"Authorization": "Bearer k-123"})
+    assert ok.status_code == 200
+    assert call(router, "/v1/models", method="GET").status_code == 401
+
+
+def test_metrics_count_requests_and_node_health() -> None:
+    router = Router(desired(), view({"a": "running", "b": "offline"}), transport=upstream())
+    call(router, body={"model": "chat", "prompt": "x"})
+    call(router, body={"model": "nope", "prompt": "x"})
+    text = call(router, "/metrics", method="GET").text
+    assert 'fleet_requests_total{cluster="chat",status="200"} 1.0' in text
+    assert 'fleet_requests_total{cluster="-",status="404"} 1.0' in text
+    assert 'fleet_node_up{node="a"} 1.0' in text and 'fleet_node_up{node="b"} 0.0' in text
+    assert json.loads(call(router, "/v1/models", method="GET").text)["data"][0]["id"] == "chat"
