@@ -8,10 +8,11 @@ import os
 import socket
 import sqlite3
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import platformdirs
 
@@ -82,6 +83,17 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One commit (one fsync) for many writes: a heartbeat writes a row per node and member."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
 
     def acquire(self, command: str) -> tuple[Holder, Holder | None]:
         """(our lock, the dead holder we took over from, if any). Raises LockHeld."""

@@ -50,6 +50,12 @@ class Heartbeat:
     async def beat(self) -> None:
         started = trio.current_time()
         snapshot = await observe(self.d, self.client, timeout=self.timeout)
+        with self.store.transaction():
+            self.record(snapshot)
+        self.view.beats += 1
+        self.on_beat(trio.current_time() - started)
+
+    def record(self, snapshot: dict[str, Any]) -> None:
         when = self.now()
         for name, entry in snapshot["nodes"].items():
             state = entry["state"]
@@ -69,8 +75,6 @@ class Heartbeat:
             if offline:
                 self.store.raise_alert(name, "node_offline", cause, when)
         self.reconcile_rows(when)
-        self.view.beats += 1
-        self.on_beat(trio.current_time() - started)
 
     def reconcile_rows(self, when: str) -> None:
         """One row per cluster member; its state is what the agent reports, or why it cannot say."""

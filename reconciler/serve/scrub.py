@@ -7,13 +7,19 @@ such as the home directory of a store path); the undecided tail waits for the ne
 from __future__ import annotations
 
 import re
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1024)
+def _compile(paths: frozenset[str]) -> tuple[re.Pattern[bytes] | None, int]:
+    pats = sorted({p.encode() for p in paths if p}, key=len, reverse=True)  # longest first wins
+    return (re.compile(b"|".join(re.escape(p) for p in pats)) if pats else None,
+            max((len(p) for p in pats), default=0))
 
 
 class Scrubber:
     def __init__(self, paths: list[str], replacement: str) -> None:
-        pats = sorted({p.encode() for p in paths if p}, key=len, reverse=True)  # longest first wins
-        self.maxlen = max((len(p) for p in pats), default=0)
-        self.regex = re.compile(b"|".join(re.escape(p) for p in pats)) if pats else None
+        self.regex, self.maxlen = _compile(frozenset(paths))  # one compile per node's set of paths
         self.repl = replacement.encode()
         self.pending = b""
 
