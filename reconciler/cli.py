@@ -72,6 +72,12 @@ def _commands(name: str) -> Callable[[argparse.Namespace], int]:
     return run_command
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import cmd_demo  # imported on use: the demo pulls in nothing the other commands need
+
+    return cmd_demo(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleet",
@@ -167,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", metavar="DIR", help="keep everything in DIR (default: a temporary directory, removed)")
     p.add_argument("--first-address", default="127.0.0.2", metavar="ADDR",
                    help="the first of three consecutive loopback addresses (default 127.0.0.2)")
-    p.set_defaults(func=lambda args: __import__("reconciler.demo", fromlist=["cmd_demo"]).cmd_demo(args))
+    p.set_defaults(func=_demo)
 
     p = sub.add_parser("unlock", help="release an apply lock whose holder is gone for good")
     p.add_argument("lock_id", metavar="ID", help="the lock id printed by the refused apply")

@@ -168,3 +168,14 @@ def test_a_failed_action_gives_exit_7_and_skips_its_dependents(fleet: Fleet) -> 
     fleet.write(replicas="  tiny: [a]")  # the fix: drop the broken cluster; the next apply converges
     assert fleet.run("apply", "--auto-approve").returncode == 0
     assert fleet.run("plan", "--detailed-exitcode").returncode == 0
+
+
+def test_a_recorded_observation_plans_offline_like_the_live_fleet(fleet: Fleet) -> None:
+    fleet.write(replicas="  tiny: [a, b]", clusters=chat(fleet, "[b]"))
+    snapshot = fleet.base / "snapshot.json"
+    assert fleet.run("observe", "-o", str(snapshot)).returncode == 0
+    live = json.loads(fleet.run("plan", "--json").stdout)
+    offline = subprocess.run([fleet_bin(), "plan", "--json", "-f", str(fleet.file), "--observed", str(snapshot)],
+                             capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert offline.returncode == 0, offline.stderr  # no secret, no network: the snapshot is enough
+    assert json.loads(offline.stdout)["changes"] == live["changes"] and live["changes"]

@@ -87,6 +87,9 @@ def test_openai_client_gets_completion_and_streamed_chat(node: tuple[Agent, dict
     assert len(chunks) >= 2
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert all(c.object == "chat.completion.chunk" for c in chunks)
+    busy = httpx.delete(f"{agent.url}/v1/weights/{digests[fmt]}", headers=AUTH, timeout=30)
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "weights_in_use"
+    assert f"chat-{fmt}" in busy.json()["error"]["message"]
     # The engines name the model by its local path; the control plane's router scrubs it later.
     assert str(agent.home) in client.models.list().data[0].id
     stopped = httpx.delete(f"{agent.url}/v1/servers/chat-{fmt}", headers=AUTH, timeout=60).json()
