@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from tests.agents import SECRET, agent_env, free_port  # noqa: E402
+from tests.agents import agent_env, free_port  # noqa: E402
 from tests.conftest import fleet_bin  # noqa: E402
 
 DIGEST = "sha256:" + "ab" * 32

@@ -12,7 +12,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,25 +22,10 @@ from typing import Any
 import httpx
 
 from .exitcodes import Exit
+from .netutil import free_port
 from .render import console
 
 BIN = Path(sys.executable).parent
-
-
-def _free_port(addresses: list[str]) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((addresses[0], 0))
-            port = s.getsockname()[1]
-        try:
-            for a in addresses:
-                with socket.socket() as s:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    s.bind((a, port))
-            return int(port)
-        except OSError:
-            continue
-    raise RuntimeError("no free port on " + ", ".join(addresses))
 
 
 class Demo:
@@ -105,9 +89,9 @@ class Demo:
                 p.wait(10)
 
     def main(self) -> None:
-        agent_port = _free_port(list(self.nodes.values()))
-        server_port = _free_port(list(self.nodes.values()))
-        listen = f"{self.nodes['cp']}:{_free_port([self.nodes['cp']])}"
+        agent_port = free_port(*self.nodes.values())
+        server_port = free_port(*self.nodes.values())
+        listen = f"{self.nodes['cp']}:{free_port(self.nodes['cp'])}"
 
         self.say(f"Three agents, each a real fleet-agent process on its own address (port {agent_port})")
         for name, addr in self.nodes.items():
@@ -149,7 +133,7 @@ clusters:
   local:                        # GGUF on llama.cpp: the control plane's node only
     model: tiny-q
     members: [cp]
-    port: {_free_port([self.nodes['cp']])}
+    port: {free_port(self.nodes['cp'])}
     settings: {{context_length: 256}}
 """)
         self.out.print(fleet.read_text(), markup=False, highlight=False)
@@ -189,7 +173,7 @@ clusters:
         self.run("fleet", "nodes", "--wide", "-f", "fleet.yaml")
 
         self.say("To do the same by hand")
-        self.out.print(f"""  export FLEET_CLUSTER_SECRET=$(openssl rand -hex 32)
+        self.out.print("""  export FLEET_CLUSTER_SECRET=$(openssl rand -hex 32)
   fleet-agent enroll --home DIR --name NAME; fleet-agent serve --home DIR --listen ADDR:PORT   # on each node
   fleet-agent import PATH --home DIR          # on the source node; paste the digest into fleet.yaml
   fleet validate -f fleet.yaml && fleet plan -f fleet.yaml && fleet apply -f fleet.yaml

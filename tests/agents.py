@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -13,26 +12,12 @@ from pathlib import Path
 
 import httpx
 
+from reconciler.netutil import free_port
 from tests.conftest import fleet_bin
 
+__all__ = ["SECRET", "Agent", "agent_env", "enroll", "free_port"]
+
 SECRET = "test-cluster-secret-0123456789"
-
-
-def free_port(*addresses: str) -> int:
-    """A port that is free on every one of `addresses` (so cluster members can share it)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((addresses[0], 0))
-            port = s.getsockname()[1]
-        try:
-            for addr in addresses:
-                with socket.socket() as s:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    s.bind((addr, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no port free on all of " + ", ".join(addresses))
 
 
 def agent_env(**extra: str) -> dict[str, str]:
@@ -99,6 +84,16 @@ class Agent:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait(timeout)
+
+    def wait_for(self, path: str, states: tuple[str, ...], timeout: float = 120, every: float = 0.05) -> dict:
+        """Poll a progress route until its `state` is one of `states`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            body = self.get(path).json()
+            if body.get("state") in states:
+                return body  # type: ignore[no-any-return]
+            time.sleep(every)
+        raise AssertionError(f"{self.name}{path} not {'/'.join(states)} within {timeout}s")
 
     def get(self, path: str, secret: str | None = SECRET) -> httpx.Response:
         headers = {"Authorization": f"Bearer {secret}"} if secret is not None else {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import httpx
 from starlette.applications import Starlette

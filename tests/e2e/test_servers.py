@@ -3,11 +3,9 @@ answered through the official `openai` client; failures reported with their full
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,18 +14,12 @@ import httpx
 import openai
 import pytest
 
-from tests.agents import SECRET, Agent, agent_env, free_port
-from tests.conftest import fleet_bin
+from tests.agents import SECRET, Agent, free_port
+from tests.fleets import import_model
 from tests.models import tiny_gguf, tiny_safetensors
 
 pytestmark = pytest.mark.e2e
 AUTH = {"Authorization": f"Bearer {SECRET}"}
-
-
-def import_model(agent: Agent, path: Path) -> str:
-    proc = subprocess.run([fleet_bin("fleet-agent"), "import", "--home", str(agent.home), str(path), "--json"],
-                          capture_output=True, text=True, timeout=120, env=agent_env(), check=True)
-    return str(json.loads(proc.stdout)["digest"])
 
 
 def start(agent: Agent, sid: str, digest: str, port: int, **settings: Any) -> httpx.Response:
@@ -35,14 +27,8 @@ def start(agent: Agent, sid: str, digest: str, port: int, **settings: Any) -> ht
                                                         "settings": settings}, headers=AUTH, timeout=30)
 
 
-def settle(agent: Agent, sid: str, timeout: float = 180) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = agent.get(f"/v1/servers/{sid}").json()
-        if s["state"] in ("running", "failed"):
-            return s  # type: ignore[no-any-return]
-        time.sleep(0.2)
-    raise AssertionError(f"server {sid} neither running nor failed after {timeout}s")
+def settle(agent: Agent, sid: str) -> dict[str, Any]:
+    return agent.wait_for(f"/v1/servers/{sid}", ("running", "failed"), timeout=180, every=0.2)
 
 
 def alive(pid: int) -> bool:

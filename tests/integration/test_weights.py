@@ -7,7 +7,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,32 +16,20 @@ import pytest
 from safetensors.numpy import load_file
 
 from agent import manifest as mf
-from tests.agents import SECRET, Agent, agent_env, enroll, free_port
-from tests.conftest import fleet_bin
+from tests.agents import SECRET, Agent, free_port
+from tests.fleets import import_model
 from tests.models import tiny_gguf, tiny_safetensors
 
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 
 
-def import_model(agent: Agent, path: Path) -> str:
-    proc = subprocess.run([fleet_bin("fleet-agent"), "import", "--home", str(agent.home), str(path), "--json"],
-                          capture_output=True, text=True, timeout=120, env=agent_env(), check=True)
-    return str(json.loads(proc.stdout)["digest"])
-
-
 def put(agent: Agent, digest: str, peer: Agent, **extra: Any) -> httpx.Response:
     return httpx.put(f"{agent.url}/v1/weights/{digest}", json={"peer": peer.url, **extra}, headers=AUTH, timeout=10)
 
 
-def wait(agent: Agent, digest: str, timeout: float = 120) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        body = agent.get(f"/v1/weights/{digest}").json()
-        if body["state"] in ("present", "failed"):
-            return body  # type: ignore[no-any-return]
-        time.sleep(0.02)
-    raise AssertionError(f"{digest} not fetched within {timeout}s")
+def wait(agent: Agent, digest: str) -> dict[str, Any]:
+    return agent.wait_for(f"/v1/weights/{digest}", ("present", "failed"), every=0.02)
 
 
 def blob_bytes(agent: Agent, digest: str) -> dict[str, bytes]:
