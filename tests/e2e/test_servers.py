@@ -164,3 +164,26 @@ def test_stopping_the_agent_leaves_no_worker(tmp_path: Path, node: tuple[Agent, 
     while alive(s["pid"]):
         assert time.monotonic() < deadline, f"worker {s['pid']} outlived its agent"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("fmt, spec, how", [
+    ("safetensors", "draft", "transformers assisted generation"),
+    ("safetensors", "prompt_lookup", "transformers prompt-lookup decoding"),
+    ("gguf", "prompt_lookup", "llama.cpp prompt-lookup decoding"),
+])
+def test_speculative_settings_reach_the_engine(node: tuple[Agent, dict[str, str], Path], fmt: str, spec: str,
+                                               how: str) -> None:
+    agent, digests, _ = node
+    port = free_port("127.0.0.2")
+    speculative: dict[str, Any] = {"mode": spec, "tokens": 3}
+    if spec == "draft":  # the tiny model drafts for itself: same tokenizer, as assisted generation needs
+        speculative["draft_digest"] = digests[fmt]
+    sid = f"spec-{fmt}-{spec}"
+    assert start(agent, sid, digests[fmt], port, speculative=speculative).status_code == 202
+    s = settle(agent, sid)
+    assert s["state"] == "running", s["reason"]
+    assert s["speculative"]["applied"] is True and s["speculative"]["how"] == how
+    client = openai.OpenAI(base_url=f"http://127.0.0.2:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    done = client.completions.create(model="tiny", prompt="The fleet reconciles", max_tokens=6, temperature=0)
+    assert done.usage.completion_tokens >= 1
+    httpx.delete(f"{agent.url}/v1/servers/{sid}", headers=AUTH, timeout=60)
