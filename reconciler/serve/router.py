@@ -8,15 +8,47 @@ import json
 from typing import AsyncIterator
 
 import httpx
+import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..model import ClusterSpec, Desired
 from .heartbeat import View
 from .metrics import ServeMetrics
+from . import upstream
 from .scrub import Scrubber
+
+
+RELAYED = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class RelayStream(Response):
+    """Send each relayed chunk straight to the server: no per-chunk wrappers. One task per stream
+    listens for the client going away and stops the relay (and with it the upstream request)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], status_code: int, media_type: str) -> None:
+        self.chunks = chunks
+        self.status_code = status_code
+        self.media_type = media_type
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": [(b"content-type", self.media_type.encode()), (b"cache-control", b"no-cache")]})
+        async with trio.open_nursery() as nursery:
+            async def disconnected() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(disconnected)
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            nursery.cancel_scope.cancel()
 
 
 def api_error(status: int, code: str, message: str) -> JSONResponse:
@@ -94,39 +126,40 @@ class Router:
         stream = bool(body.get("stream"))
         failures = []
         for node in members:
-            url = f"http://{self.d.nodes[node].address}:{cluster.port}{request.url.path}"
-            upstream = self.http.build_request("POST", url, content=raw, headers={"content-type": "application/json"})
+            host, path = self.d.nodes[node].address, request.url.path
             self.outstanding[node] = self.outstanding.get(node, 0) + 1
+            if stream:
+                try:
+                    upstream_response = await upstream.post(host, cluster.port, path, raw)
+                except upstream.UpstreamError as exc:
+                    # Nothing reached the client yet: the next member may answer.
+                    self.outstanding[node] -= 1
+                    failures.append(f"{node}: {exc}")
+                    continue
+                return RelayStream(self._stream(upstream_response, self.scrubber(node, cluster.name), node),
+                                   upstream_response.status,
+                                   upstream_response.headers.get("content-type", "text/event-stream"))
             try:
-                response = await self.http.send(upstream, stream=True)
+                response = await self.http.post(f"http://{host}:{cluster.port}{path}", content=raw,
+                                                headers={"content-type": "application/json"})
             except httpx.TransportError as exc:
-                # Nothing reached the client yet: the next member may answer.
-                self.outstanding[node] -= 1
                 failures.append(f"{node}: {type(exc).__name__}: {exc}")
                 continue
+            finally:
+                self.outstanding[node] -= 1
             scrub = self.scrubber(node, cluster.name)
-            if not stream:
-                try:
-                    content = await response.aread()
-                except httpx.TransportError as exc:
-                    return api_error(502, "member_failed", f"{node} failed while answering: {exc}")
-                finally:
-                    await response.aclose()
-                    self.outstanding[node] -= 1
-                content = scrub.feed(content) + scrub.flush()
-                self.metrics.relay_bytes.inc(len(content))
-                return Response(content, status_code=response.status_code,
-                                media_type=response.headers.get("content-type", "application/json"))
-            return StreamingResponse(self._stream(response, scrub, node), status_code=response.status_code,
-                                     media_type=response.headers.get("content-type", "text/event-stream"))
+            content = scrub.feed(response.content) + scrub.flush()
+            self.metrics.relay_bytes.inc(len(content))
+            return Response(content, status_code=response.status_code,
+                            media_type=response.headers.get("content-type", "application/json"))
         return api_error(502, "no_member_answered", f"no member of {cluster.name!r} answered: " + "; ".join(failures))
 
-    async def _stream(self, response: httpx.Response, scrub: Scrubber, node: str) -> AsyncIterator[bytes]:
+    async def _stream(self, response: upstream.UpstreamResponse, scrub: Scrubber, node: str) -> AsyncIterator[bytes]:
         # Once bytes went to the client the request is never retried elsewhere: a member that
         # dies mid-stream ends the stream cleanly, with an error event naming the machine.
         self.metrics.streams.inc()
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in response.chunks():
                 out = scrub.feed(chunk)
                 if out:
                     self.metrics.relay_bytes.inc(len(out))
@@ -134,9 +167,9 @@ class Router:
             tail = scrub.flush()
             if tail:
                 yield tail
-        except httpx.HTTPError as exc:
+        except upstream.UpstreamError as exc:
             tail = scrub.flush()
-            event = {"error": {"message": f"the member on {node} failed mid-stream: {type(exc).__name__}: {exc}",
+            event = {"error": {"message": f"the member on {node} failed mid-stream: {exc}",
                                "type": "fleet_error", "code": "member_failed_mid_stream", "node": node}}
             yield tail + b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
         finally:
@@ -152,7 +185,7 @@ class Router:
         given = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
         return any(hmac.compare_digest(given, k) for k in self.keys)
 
-    def app(self) -> Starlette:
+    def app(self) -> ASGIApp:
         async def models(request: Request) -> Response:
             if not self.authorized(request):
                 return api_error(401, "invalid_api_key", "a valid API key is required (Authorization: Bearer KEY)")
@@ -165,6 +198,15 @@ class Router:
                 return api_error(401, "invalid_api_key", "a valid API key is required (Authorization: Bearer KEY)")
             return await self.relay(request)
 
+        async def fast(scope: Scope, receive: Receive, send: Send) -> None:
+            # The relayed routes skip Starlette's routing and per-message exception wrappers:
+            # at thousands of chunks a second they were a measurable share of the router's CPU.
+            if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in RELAYED:
+                response = await relay(Request(scope, receive))
+                await response(scope, receive, send)
+                return
+            await routed(scope, receive, send)
+
         async def healthz(_: Request) -> Response:
             return JSONResponse({"status": "ok", "beats": self.view.beats})
 
@@ -175,6 +217,7 @@ class Router:
                 self.metrics.node_up.labels(node).set(1 if self.view.online.get(node) else 0)
             return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-        return Starlette(routes=[Route("/healthz", healthz), Route("/v1/models", models), Route("/metrics", metrics),
-                                 Route("/v1/completions", relay, methods=["POST"]),
-                                 Route("/v1/chat/completions", relay, methods=["POST"])])
+        routed = Starlette(routes=[Route("/healthz", healthz), Route("/v1/models", models), Route("/metrics", metrics),
+                                   Route("/v1/completions", relay, methods=["POST"]),
+                                   Route("/v1/chat/completions", relay, methods=["POST"])])
+        return fast
