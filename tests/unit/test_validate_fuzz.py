@@ -11,7 +11,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconciler import cli, config
+import fastjsonschema
+
+from reconciler import cli, config, schema
 from tests.conftest import ROOT
 
 EXAMPLE_TEXT = (ROOT / "fleet.yaml.example").read_text()
@@ -80,6 +82,13 @@ def _check(tmp: Path, content: bytes) -> None:
     assert "Traceback" not in err.getvalue()
     loaded = config.load(f)
     assert (code == 0) == loaded.ok
+    if loaded.document is not None:  # the compiled fast path agrees with the 2020-12 validator
+        try:
+            schema._fast()(loaded.document.data)
+            fast_ok = True
+        except fastjsonschema.JsonSchemaException:
+            fast_ok = False
+        assert fast_ok == (not list(schema._validator().iter_errors(loaded.document.data)))
     for d in loaded.diagnostics:
         assert d.code and d.summary
         assert d.range is not None, d  # a mutated file always has text to point into
