@@ -64,6 +64,7 @@ class Router:
         self.view = view
         self.keys = [k.encode() for k in api_keys or []]
         self.outstanding: dict[str, int] = {}
+        self.pool = upstream.Pool()
         self.http = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout, connect=5.0),
                                       limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
 
@@ -130,7 +131,7 @@ class Router:
             self.outstanding[node] = self.outstanding.get(node, 0) + 1
             if stream:
                 try:
-                    upstream_response = await upstream.post(host, cluster.port, path, raw)
+                    upstream_response = await upstream.post(host, cluster.port, path, raw, self.pool)
                 except upstream.UpstreamError as exc:
                     # Nothing reached the client yet: the next member may answer.
                     self.outstanding[node] -= 1

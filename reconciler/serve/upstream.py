@@ -23,12 +23,38 @@ class UpstreamError(Exception):
         self.started = started
 
 
+class Pool:
+    """Idle keep-alive connections per worker address: a new TCP connection for every request
+    added a connection set-up in the worker's server to every time-to-first-byte."""
+
+    def __init__(self, per_host: int = 16) -> None:
+        self.idle: dict[tuple[str, int], list[trio.SocketStream]] = {}
+        self.per_host = per_host
+
+    def take(self, key: tuple[str, int]) -> trio.SocketStream | None:
+        streams = self.idle.get(key)
+        return streams.pop() if streams else None
+
+    async def give(self, key: tuple[str, int], stream: trio.SocketStream) -> None:
+        streams = self.idle.setdefault(key, [])
+        if len(streams) < self.per_host:
+            streams.append(stream)
+        else:
+            await stream.aclose()
+
+
 class UpstreamResponse:
-    def __init__(self, stream: trio.SocketStream, status: int, headers: dict[str, str], rest: bytes) -> None:
+    def __init__(self, stream: trio.SocketStream, status: int, headers: dict[str, str], rest: bytes,
+                 pool: Pool | None = None, key: tuple[str, int] = ("", 0)) -> None:
         self.stream, self.status, self.headers, self._rest = stream, status, headers, rest
+        self.pool, self.key = pool, key
+        self.reusable = False  # set when the body ended cleanly on a keep-alive connection
 
     async def aclose(self) -> None:
-        await self.stream.aclose()
+        if self.reusable and self.pool is not None and self.headers.get("connection", "").lower() != "close":
+            await self.pool.give(self.key, self.stream)
+        else:
+            await self.stream.aclose()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives: de-chunked, each piece everything complete so far."""
@@ -42,6 +68,7 @@ class UpstreamResponse:
                         left -= len(data)
                     yield data
                 if left == 0:
+                    self.reusable = True
                     return
                 data = await self._read()
                 if not data:
@@ -73,6 +100,13 @@ class UpstreamResponse:
                     if size == 0:
                         if out:
                             yield b"".join(out)
+                        # Trailers end with an empty line; a clean end leaves the connection reusable.
+                        while b"\r\n" not in buf:
+                            more = await self._read()
+                            if not more:
+                                return
+                            buf += more
+                        self.reusable = buf == b"\r\n"
                         return
                     mode, need, progress = "data", size, True
             if out:
@@ -89,14 +123,29 @@ class UpstreamResponse:
             raise UpstreamError(f"connection broke: {exc}", started=True) from None
 
 
-async def post(host: str, port: int, path: str, body: bytes) -> UpstreamResponse:
+async def post(host: str, port: int, path: str, body: bytes, pool: Pool | None = None) -> UpstreamResponse:
+    """POST and read the response head. A pooled connection the worker closed meanwhile is
+    retried once on a fresh one; `started=False` errors mean nothing was received."""
+    key = (host, port)
+    pooled = pool.take(key) if pool is not None else None
+    if pooled is not None:
+        try:
+            return await _exchange(pooled, host, port, path, body, pool, key)
+        except UpstreamError as exc:
+            if exc.started:
+                raise
     try:
         stream = await trio.open_tcp_stream(host, port)
     except OSError as exc:
         raise UpstreamError(f"cannot connect to {host}:{port}: {exc.strerror or exc}", started=False) from None
+    return await _exchange(stream, host, port, path, body, pool, key)
+
+
+async def _exchange(stream: trio.SocketStream, host: str, port: int, path: str, body: bytes, pool: Pool | None,
+                    key: tuple[str, int]) -> UpstreamResponse:
     try:
         await stream.send_all(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                              b"Content-Length: %d\r\nAccept: text/event-stream\r\nConnection: close\r\n\r\n"
+                              b"Content-Length: %d\r\nAccept: text/event-stream\r\n\r\n"
                               % (path.encode(), host.encode(), port, len(body)) + body)
         buf = b""
         while b"\r\n\r\n" not in buf:
@@ -106,7 +155,7 @@ async def post(host: str, port: int, path: str, body: bytes) -> UpstreamResponse
             buf += more
             if len(buf) > MAX_HEAD and b"\r\n\r\n" not in buf:
                 raise UpstreamError(f"{host}:{port} sent an oversized response head", started=False)
-    except (trio.BrokenResourceError, OSError) as exc:
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
         await stream.aclose()
         raise UpstreamError(f"{host}:{port}: {exc}", started=False) from None
     except BaseException:
@@ -120,4 +169,4 @@ async def post(host: str, port: int, path: str, body: bytes) -> UpstreamResponse
         await stream.aclose()
         raise UpstreamError(f"{host}:{port} sent a malformed status line", started=False) from None
     headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    return UpstreamResponse(stream, status, headers, rest)
+    return UpstreamResponse(stream, status, headers, rest, pool, key)

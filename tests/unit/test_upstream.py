@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import trio
 
@@ -49,3 +51,37 @@ def test_truncated_and_malformed_bodies_are_errors() -> None:
         body([b"zz\r\nabc\r\n"], {"transfer-encoding": "chunked"})
     with pytest.raises(UpstreamError, match="bytes before the end"):
         body([b"abc"], {"content-length": "10"})
+
+
+def test_a_clean_chunked_end_leaves_the_connection_reusable() -> None:
+    async def go(data: bytes) -> bool:
+        r = UpstreamResponse(FakeStream([]), 200, {"transfer-encoding": "chunked"}, data)  # type: ignore[arg-type]
+        _ = [c async for c in r.chunks()]
+        return r.reusable
+    assert trio.run(go, CHUNKED) is True
+    assert trio.run(go, CHUNKED[:-2]) is False  # the final empty line never came
+
+
+def test_a_stale_pooled_connection_is_retried_on_a_fresh_one() -> None:
+    from reconciler.serve.upstream import Pool, post
+
+    async def main() -> None:
+        async def handler(stream: trio.SocketStream) -> None:
+            async with stream:
+                if await stream.receive_some(65536) == b"x":
+                    return  # the worker dropped this idle connection
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            pool = Pool()
+            stale = await trio.open_tcp_stream("127.0.0.1", port)
+            await stale.send_all(b"x")
+            await trio.sleep(0.05)  # closed by the worker: a dead keep-alive connection
+            await pool.give(("127.0.0.1", port), stale)
+            r = await post("127.0.0.1", port, "/v1/completions", b"{}", pool)
+            assert r.status == 200 and b"".join([c async for c in r.chunks()]) == b"ok"
+            await r.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
