@@ -39,7 +39,7 @@ def local_now() -> datetime:
 
 
 class Spawner:
-    """Background work (fetches) runs in the server's nursery, handed over once it is open."""
+    """Background work (fetches, server supervision) runs in the server's nursery, handed over once open."""
 
     def __init__(self) -> None:
         self.nursery: trio.Nursery | None = None
