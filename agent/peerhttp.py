@@ -54,6 +54,16 @@ class PeerError(Exception):
         self.resumable = resumable
 
 
+def parse_head(head: bytes) -> tuple[int, dict[str, str]] | None:
+    """(status, lower-cased headers) of an HTTP/1.1 response head, or None if the status line is bad."""
+    lines = head.decode("latin-1").split("\r\n")
+    try:
+        status = int(lines[0].split(" ", 2)[1])
+    except (IndexError, ValueError):
+        return None
+    return status, {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+
+
 async def _connect(base: str, ssl_context: ssl.SSLContext | None) -> tuple[trio.abc.Stream, str]:
     parts = urlsplit(base)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
@@ -89,12 +99,10 @@ async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | memo
                 if len(buf) > MAX_HEAD and b"\r\n\r\n" not in buf:
                     raise PeerError(f"peer {base} sent an oversized response head for {path}")
             head, _, body = buf.partition(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            try:
-                status = int(lines[0].split(" ", 2)[1])
-            except (IndexError, ValueError):
-                raise PeerError(f"peer {base} sent a malformed status line {lines[0][:80]!r}") from None
-            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+            parsed = parse_head(head)
+            if parsed is None:
+                raise PeerError(f"peer {base} sent a malformed status line {head[:80]!r}")
+            status, headers = parsed
             length_text = headers.get("content-length")
             if length_text is None or not length_text.isdigit():
                 raise PeerError(f"peer {base} sent no Content-Length for {path}")

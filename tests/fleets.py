@@ -63,6 +63,7 @@ def three_node_fleet(base: Path) -> Iterator[Fleet]:
             a.start()
         digests = {"tiny": import_model(agents["cp"], tiny_safetensors(base / "models")),
                    "tiny-q": import_model(agents["cp"], tiny_gguf(base / "models"))}
+        assert all(d.startswith("sha256:") and len(d) == 71 for d in digests.values()), digests
         yield Fleet(base, agents, digests)
     finally:
         for a in agents.values():

@@ -11,6 +11,8 @@ from typing import AsyncIterator
 
 import trio
 
+from agent.peerhttp import parse_head
+
 READ = 64 * 1024
 MAX_HEAD = 64 * 1024
 
@@ -162,11 +164,9 @@ async def _exchange(stream: trio.SocketStream, host: str, port: int, path: str, 
         await stream.aclose()
         raise
     head, _, rest = buf.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    try:
-        status = int(lines[0].split(" ", 2)[1])
-    except (IndexError, ValueError):
+    parsed = parse_head(head)
+    if parsed is None:
         await stream.aclose()
-        raise UpstreamError(f"{host}:{port} sent a malformed status line", started=False) from None
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        raise UpstreamError(f"{host}:{port} sent a malformed status line", started=False)
+    status, headers = parsed
     return UpstreamResponse(stream, status, headers, rest, pool, key)
