@@ -4,7 +4,7 @@ measured side by side in one run. Targets (issue 7): <= 1 ms p50 added, >= 95% o
 
 The worker here is a STAND-IN that streams CHUNKS OpenAI-shaped SSE chunks as fast as it can, so
 that the relay, not a model, is what is measured. The router is fleet's own (reconciler.serve.router)
-under hypercorn, in its own process, with a heartbeat view that says the stand-in is running.
+behind its own HTTP front (reconciler.serve.front), in its own process, as `fleet serve` runs it, with a heartbeat view that says the stand-in is running.
 
     .venv/bin/python bench/relay.py [--chunks 200] [--requests 100]
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import time
@@ -54,11 +56,9 @@ def serve_upstream(port: int, chunks: int) -> None:
 
 
 def serve_router(port: int, upstream: int) -> None:
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
-
     from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
     from reconciler.serve.heartbeat import View
+    from reconciler.serve.front import Front
     from reconciler.serve.router import Router
 
     digest = "sha256:" + "1" * 64
@@ -66,14 +66,63 @@ def serve_router(port: int, upstream: int) -> None:
                       {"m": ModelSpec("m", "safetensors", digest, "w")}, (), {"chat": ClusterSpec("chat", "m", ("w",), upstream)})
     view = View(states={"w": {"servers": [{"id": "chat@w", "state": "running", "model": digest}],
                               "inventory": {"disk": {"path": "/srv/home"}}, "weights": []}}, online={"w": True})
-    config = Config()
-    config.bind = [f"{HOST}:{port}"]
-    config.accesslog = None
-    trio.run(serve, Router(desired, view).app(), config)
+    async def main() -> None:
+        if os.environ.get("PROFILE"):
+            import cProfile, signal
+            prof = cProfile.Profile()
+            prof.enable()
+            def dump(*_):
+                prof.disable(); prof.dump_stats(os.environ["PROFILE"]); os._exit(0)
+            signal.signal(signal.SIGTERM, dump)
+        front = Front(Router(desired, view).app())
+        await front.serve(front.listen(HOST, port), trio.Event())
+    trio.run(main)
 
 
-async def measure(url: str, concurrency: int, requests: int) -> tuple[list[float], float, int]:
-    """(time-to-first-byte of each request, wall seconds, chunks received)."""
+async def measure(url: str, concurrency: int, requests: int, client: str) -> tuple[list[float], float, int]:
+    """(time-to-first-event of each request, wall seconds, events received)."""
+    measure_one = measure_httpx if client == "httpx" else measure_lean
+    return await measure_one(url, concurrency, requests)
+
+
+async def measure_lean(url: str, concurrency: int, requests: int) -> tuple[list[float], float, int]:
+    # The lean client is fleet's own upstream reader (raw socket, chunked decoding, keep-alive):
+    # it costs the shared cores a fraction of httpx's per-line reader, so that what is measured
+    # is the relay rather than the load generator competing with it for CPU.
+    from reconciler.serve import upstream
+
+    host, _, rest = url.removeprefix("http://").partition(":")
+    port, path = int(rest.split("/", 1)[0]), "/" + rest.split("/", 1)[1]
+    body = json.dumps({"model": "chat", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    pool = upstream.Pool(per_host=concurrency)
+    ttfb: list[float] = []
+    events = 0
+    limiter = trio.CapacityLimiter(concurrency)
+
+    async def one() -> None:
+        nonlocal events
+        async with limiter:
+            start = time.perf_counter()
+            response = await upstream.post(host, port, path, body, pool)
+            carry, first = b"", True
+            async for piece in response.chunks():
+                if first:
+                    ttfb.append(time.perf_counter() - start)
+                    first = False
+                seen = carry + piece
+                events += seen.count(b"data: ") - carry.count(b"data: ")
+                carry = seen[-5:]
+            events -= 1  # data: [DONE]
+            response.close()
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(requests):
+            nursery.start_soon(one)
+    return ttfb, time.perf_counter() - start, events
+
+
+async def measure_httpx(url: str, concurrency: int, requests: int) -> tuple[list[float], float, int]:
     body = {"model": "chat", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     ttfb: list[float] = []
     chunks = 0
@@ -98,6 +147,15 @@ async def measure(url: str, concurrency: int, requests: int) -> tuple[list[float
         return ttfb, time.perf_counter() - start, chunks
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (this one when pid is None)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
@@ -107,6 +165,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=200)
     ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--client", choices=("lean", "httpx"), default="lean",
+                    help="load generator: fleet's raw-socket reader (default) or httpx's streaming lines")
     ap.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-router", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
@@ -126,18 +187,36 @@ def main() -> None:
                     break
                 except httpx.TransportError:
                     time.sleep(0.05)
-        print(f"{args.requests} streamed requests of {args.chunks} chunks each, per setting; client, router and "
-              "stand-in worker share this machine's cores")
+        print(f"{args.rounds} rounds of {args.requests} streamed requests of {args.chunks} chunks each, per setting, "
+              f"direct and relayed alternating; client ({args.client}), router and stand-in worker share this "
+              f"machine's {os.cpu_count()} cores")
+        pids = {"client": None, "worker": procs[0].pid, "router": procs[1].pid}
         for concurrency in (1, 64):
-            direct = trio.run(measure, f"http://{HOST}:{up}/v1/chat/completions", concurrency, args.requests)
-            relayed = trio.run(measure, f"http://{HOST}:{rt}/v1/chat/completions", concurrency, args.requests)
-            assert relayed[2] == direct[2] == args.requests * args.chunks, (relayed[2], direct[2])
-            added50 = (pct(relayed[0], 50) - pct(direct[0], 50)) * 1000
-            added99 = (pct(relayed[0], 99) - pct(direct[0], 99)) * 1000
-            rate_d, rate_r = direct[2] / direct[1], relayed[2] / relayed[1]
-            print(f"concurrency {concurrency:2d}: TTFB p50 direct {pct(direct[0], 50) * 1000:6.2f} ms, relayed "
-                  f"{pct(relayed[0], 50) * 1000:6.2f} ms (+{added50:.2f}); p99 +{added99:.2f} ms; chunks/s direct "
-                  f"{rate_d:8.0f}, relayed {rate_r:8.0f} = {rate_r / rate_d:.2f} of direct")
+            rounds = []
+            for r in range(args.rounds):
+                runs: dict[str, tuple[list[float], float, int, dict[str, float]]] = {}
+                order = (("direct", up), ("relayed", rt)) if r % 2 == 0 else (("relayed", rt), ("direct", up))
+                for label, port in order:
+                    before = {k: cpu_seconds(p) for k, p in pids.items()}
+                    ttfb, wall, events = trio.run(measure, f"http://{HOST}:{port}/v1/chat/completions", concurrency,
+                                                  args.requests, args.client)
+                    assert events == args.requests * args.chunks, (label, events)  # nothing lost or invented
+                    cpu = {k: (cpu_seconds(p) - before[k]) / events * 1e6 for k, p in pids.items()}
+                    runs[label] = (ttfb, wall, events, cpu)
+                d, rl = runs["direct"], runs["relayed"]
+                rounds.append({"added50": (pct(rl[0], 50) - pct(d[0], 50)) * 1000,
+                               "added99": (pct(rl[0], 99) - pct(d[0], 99)) * 1000,
+                               "direct50": pct(d[0], 50) * 1000, "rate_d": d[2] / d[1], "rate_r": rl[2] / rl[1],
+                               "ratio": (rl[2] / rl[1]) / (d[2] / d[1]), "cpu_d": d[3], "cpu_r": rl[3]})
+            med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0] if not k.startswith("cpu")}
+            lo, hi = min(x["ratio"] for x in rounds), max(x["ratio"] for x in rounds)
+            print(f"concurrency {concurrency:2d}: TTFB p50 direct {med['direct50']:6.2f} ms, added by the relay "
+                  f"p50 {med['added50']:+.2f} ms, p99 {med['added99']:+.2f} ms; events/s direct {med['rate_d']:6.0f}, "
+                  f"relayed {med['rate_r']:6.0f}: relayed/direct {med['ratio']:.2f} (rounds {lo:.2f}-{hi:.2f})")
+            for label in ("direct", "relayed"):
+                cpu = {k: statistics.median(x["cpu_" + label[0]][k] for x in rounds) for k in pids}
+                print(f"    CPU us/event {label:7s}: " + ", ".join(f"{k} {v:5.1f}" for k, v in cpu.items()
+                                                                   if v or k != "router"))
     finally:
         for p in procs:
             p.terminate()

@@ -7,12 +7,11 @@ import os
 import signal
 
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 
 from ..client import AgentClient
 from ..model import Desired
 from ..store import Store
+from .front import Front
 from .heartbeat import Heartbeat
 from .metrics import ServeMetrics
 from .router import Router
@@ -43,11 +42,9 @@ async def serve(desired: Desired, secret: str, store: Store, *, interval: float,
         heartbeat = Heartbeat(desired, client, store, interval=interval, misses=misses, timeout=timeout,
                               on_beat=metrics.beat_seconds.observe)
         router = Router(desired, heartbeat.view, api_keys=keys, metrics=metrics)
-        config = Config()
         host, _, port = desired.control_plane.listen.rpartition(":")
-        config.bind = [f"{host}:{port}"]
-        config.accesslog = None
-        config.errorlog = log
+        front = Front(router.app())
+        listeners = front.listen(host.strip("[]"), int(port))
         stop = trio.Event()
 
         async def on_signal() -> None:
@@ -61,5 +58,5 @@ async def serve(desired: Desired, secret: str, store: Store, *, interval: float,
             await nursery.start(heartbeat.run)
             log.info("serving %d clusters on http://%s (heartbeat every %gs)", len(desired.clusters),
                      desired.control_plane.listen, interval)
-            await hypercorn_serve(router.app(), config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+            await front.serve(listeners, stop)
             nursery.cancel_scope.cancel()

@@ -7,14 +7,18 @@ behind, chunks coalesce instead of queueing, and nothing waits for more bytes th
 
 from __future__ import annotations
 
+import socket
 from typing import AsyncIterator
 
 import trio
 
 from agent.peerhttp import parse_head
 
+from . import sockio
+
 READ = 64 * 1024
 MAX_HEAD = 64 * 1024
+CONNECT_TIMEOUT = 5.0
 
 
 class UpstreamError(Exception):
@@ -30,99 +34,113 @@ class Pool:
     added a connection set-up in the worker's server to every time-to-first-byte."""
 
     def __init__(self, per_host: int = 16) -> None:
-        self.idle: dict[tuple[str, int], list[trio.SocketStream]] = {}
+        self.idle: dict[tuple[str, int], list[socket.socket]] = {}
         self.per_host = per_host
 
-    def take(self, key: tuple[str, int]) -> trio.SocketStream | None:
-        streams = self.idle.get(key)
-        return streams.pop() if streams else None
+    def take(self, key: tuple[str, int]) -> socket.socket | None:
+        socks = self.idle.get(key)
+        return socks.pop() if socks else None
 
-    async def give(self, key: tuple[str, int], stream: trio.SocketStream) -> None:
-        streams = self.idle.setdefault(key, [])
-        if len(streams) < self.per_host:
-            streams.append(stream)
+    def give(self, key: tuple[str, int], sock: socket.socket) -> None:
+        socks = self.idle.setdefault(key, [])
+        if len(socks) < self.per_host:
+            socks.append(sock)
         else:
-            await stream.aclose()
+            sockio.close(sock)
 
 
 class UpstreamResponse:
-    def __init__(self, stream: trio.SocketStream, status: int, headers: dict[str, str], rest: bytes,
+    def __init__(self, sock: socket.socket, status: int, headers: dict[str, str], rest: bytes,
                  pool: Pool | None = None, key: tuple[str, int] = ("", 0)) -> None:
-        self.stream, self.status, self.headers, self._rest = stream, status, headers, rest
+        self.sock, self.status, self.headers = sock, status, headers
         self.pool, self.key = pool, key
         self.reusable = False  # set when the body ended cleanly on a keep-alive connection
-
-    async def aclose(self) -> None:
-        if self.reusable and self.pool is not None and self.headers.get("connection", "").lower() != "close":
-            await self.pool.give(self.key, self.stream)
+        self._buf, self._done, self._need = rest, False, 0
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            self._mode, self._left = "size", None
         else:
-            await self.stream.aclose()
+            self._mode = "plain"
+            self._left = int(headers["content-length"]) if "content-length" in headers else None
+            self._done = self._left == 0
+            self.reusable = self._done
+
+    def close(self) -> None:
+        if self.reusable and self.pool is not None and self.headers.get("connection", "").lower() != "close":
+            self.pool.give(self.key, self.sock)
+        else:
+            sockio.close(self.sock)
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives: de-chunked, each piece everything complete so far."""
-        if "chunked" not in self.headers.get("transfer-encoding", "").lower():
-            left = int(self.headers["content-length"]) if "content-length" in self.headers else None
-            data = self._rest
-            while True:
-                if data:
-                    if left is not None:
-                        data = data[:left]
-                        left -= len(data)
-                    yield data
-                if left == 0:
-                    self.reusable = True
-                    return
-                data = await self._read()
-                if not data:
-                    if left:
-                        raise UpstreamError(f"connection closed {left} bytes before the end", started=True)
-                    return
-        buf, mode, need = self._rest, "size", 0
-        while True:
-            out: list[bytes] = []
-            progress = True
-            while progress:
-                progress = False
-                if mode == "data":
-                    take = buf[:need]
-                    if take:
-                        out.append(take)
-                        need -= len(take)
-                        buf = buf[len(take):]
-                    if need == 0:
-                        mode, progress = "crlf", True
-                elif mode == "crlf" and len(buf) >= 2:
-                    buf, mode, progress = buf[2:], "size", True
-                elif mode == "size" and (end := buf.find(b"\r\n")) >= 0:
-                    try:
-                        size = int(buf[:end].split(b";")[0], 16)
-                    except ValueError:
-                        raise UpstreamError("the worker sent malformed chunked framing", started=True) from None
-                    buf = buf[end + 2:]
-                    if size == 0:
-                        if out:
-                            yield b"".join(out)
-                        # Trailers end with an empty line; a clean end leaves the connection reusable.
-                        while b"\r\n" not in buf:
-                            more = await self._read()
-                            if not more:
-                                return
-                            buf += more
-                        self.reusable = buf == b"\r\n"
-                        return
-                    mode, need, progress = "data", size, True
-            if out:
-                yield b"".join(out)
-            more = await self._read()
-            if not more:
-                raise UpstreamError("the worker closed the connection in the middle of its answer", started=True)
-            buf += more
+        """The body as it arrives, piece by piece (see read)."""
+        while piece := await self.read():
+            yield piece
 
-    async def _read(self) -> bytes:
-        try:
-            return await self.stream.receive_some(READ)
-        except (trio.BrokenResourceError, OSError) as exc:
-            raise UpstreamError(f"connection broke: {exc}", started=True) from None
+    async def read(self) -> bytes:
+        """The next part of the body: everything complete that has arrived, de-chunked; b"" once
+        the body has ended."""
+        while True:
+            out = self._decode()
+            if out or self._done:
+                return out
+            try:
+                more = await sockio.receive(self.sock, READ)
+            except (trio.ClosedResourceError, OSError) as exc:
+                raise UpstreamError(f"connection broke: {exc}", started=True) from None
+            if not more:
+                self._end_of_stream()
+                return b""
+            self._buf += more
+
+    def _end_of_stream(self) -> None:
+        self._done = True
+        if self._mode == "trailer" or (self._mode == "plain" and self._left is None):
+            return  # a body that ends where the connection ends, or a missing final line
+        if self._mode == "plain":
+            raise UpstreamError(f"connection closed {self._left} bytes before the end", started=True)
+        raise UpstreamError("the worker closed the connection in the middle of its answer", started=True)
+
+    def _decode(self) -> bytes:
+        buf = self._buf
+        if self._mode == "plain":
+            out, self._buf = buf, b""
+            if self._left is not None:
+                out = out[:self._left]
+                self._left -= len(out)
+                if self._left == 0:
+                    self._done = self.reusable = True
+            return out
+        out: list[bytes] = []
+        while True:
+            if self._mode == "data":
+                take = buf[:self._need]
+                if take:
+                    out.append(take)
+                    self._need -= len(take)
+                    buf = buf[len(take):]
+                if self._need:
+                    break
+                self._mode = "crlf"
+            elif self._mode == "crlf":
+                if len(buf) < 2:
+                    break
+                buf, self._mode = buf[2:], "size"
+            elif self._mode == "size":
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    break
+                try:
+                    size = int(buf[:end].split(b";")[0], 16)
+                except ValueError:
+                    raise UpstreamError("the worker sent malformed chunked framing", started=True) from None
+                buf = buf[end + 2:]
+                self._mode, self._need = ("trailer", 0) if size == 0 else ("data", size)
+            else:  # trailer: headers after the last chunk end with an empty line
+                if b"\r\n" in buf:
+                    # A clean end leaves the connection reusable.
+                    self._done, self.reusable = True, buf == b"\r\n"
+                break
+        self._buf = buf
+        return b"".join(out)
 
 
 async def post(host: str, port: int, path: str, body: bytes, pool: Pool | None = None) -> UpstreamResponse:
@@ -137,36 +155,38 @@ async def post(host: str, port: int, path: str, body: bytes, pool: Pool | None =
             if exc.started:
                 raise
     try:
-        stream = await trio.open_tcp_stream(host, port)
-    except OSError as exc:
-        raise UpstreamError(f"cannot connect to {host}:{port}: {exc.strerror or exc}", started=False) from None
-    return await _exchange(stream, host, port, path, body, pool, key)
+        with trio.fail_after(CONNECT_TIMEOUT):
+            sock = await sockio.connect(host, port)
+    except (OSError, trio.TooSlowError) as exc:
+        why = "timed out" if isinstance(exc, trio.TooSlowError) else exc.strerror or exc
+        raise UpstreamError(f"cannot connect to {host}:{port}: {why}", started=False) from None
+    return await _exchange(sock, host, port, path, body, pool, key)
 
 
-async def _exchange(stream: trio.SocketStream, host: str, port: int, path: str, body: bytes, pool: Pool | None,
+async def _exchange(sock: socket.socket, host: str, port: int, path: str, body: bytes, pool: Pool | None,
                     key: tuple[str, int]) -> UpstreamResponse:
     try:
-        await stream.send_all(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                              b"Content-Length: %d\r\nAccept: text/event-stream\r\n\r\n"
-                              % (path.encode(), host.encode(), port, len(body)) + body)
+        await sockio.send(sock, b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: %d\r\nAccept: text/event-stream\r\n\r\n"
+                          % (path.encode(), host.encode(), port, len(body)) + body)
         buf = b""
         while b"\r\n\r\n" not in buf:
-            more = await stream.receive_some(READ)
+            more = await sockio.receive(sock, READ)
             if not more:
                 raise UpstreamError(f"{host}:{port} closed the connection without answering", started=False)
             buf += more
             if len(buf) > MAX_HEAD and b"\r\n\r\n" not in buf:
                 raise UpstreamError(f"{host}:{port} sent an oversized response head", started=False)
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-        await stream.aclose()
+    except (trio.ClosedResourceError, OSError) as exc:
+        sockio.close(sock)
         raise UpstreamError(f"{host}:{port}: {exc}", started=False) from None
     except BaseException:
-        await stream.aclose()
+        sockio.close(sock)
         raise
     head, _, rest = buf.partition(b"\r\n\r\n")
     parsed = parse_head(head)
     if parsed is None:
-        await stream.aclose()
+        sockio.close(sock)
         raise UpstreamError(f"{host}:{port} sent a malformed status line", started=False)
     status, headers = parsed
-    return UpstreamResponse(stream, status, headers, rest, pool, key)
+    return UpstreamResponse(sock, status, headers, rest, pool, key)

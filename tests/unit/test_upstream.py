@@ -1,4 +1,5 @@
-"""The router's chunked-body decoder, fed every split of a real chunked body."""
+"""The router's chunked-body decoder, fed every split of a real chunked body (the socket read is
+replaced by a list of pieces, so that each piece arrives on its own)."""
 
 from __future__ import annotations
 
@@ -7,63 +8,75 @@ import functools
 import pytest
 import trio
 
+from reconciler.serve import sockio, upstream
 from reconciler.serve.upstream import UpstreamError, UpstreamResponse
 
 EVENTS = [b"data: {\"a\": 1}\n\n", b"data: {\"b\": 22}\n\n", b"x" * 300, b"data: [DONE]\n\n"]
 CHUNKED = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) for e in EVENTS) + b"0\r\n\r\n"
 
 
-class FakeStream:
-    def __init__(self, pieces: list[bytes]) -> None:
-        self.pieces = pieces
+@pytest.fixture(autouse=True)
+def pieces(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    arriving: list[bytes] = []
 
-    async def receive_some(self, n: int) -> bytes:
-        return self.pieces.pop(0) if self.pieces else b""
-
-    async def aclose(self) -> None:
-        pass
+    async def receive(sock: object, size: int) -> bytes:
+        return arriving.pop(0) if arriving else b""
+    monkeypatch.setattr(upstream.sockio, "receive", receive)
+    return arriving
 
 
 def body(pieces: list[bytes], headers: dict[str, str], rest: bytes = b"") -> bytes:
     async def go() -> bytes:
-        r = UpstreamResponse(FakeStream(pieces), 200, headers, rest)  # type: ignore[arg-type]
+        r = UpstreamResponse(None, 200, headers, rest)  # type: ignore[arg-type]
         return b"".join([c async for c in r.chunks()])
     return trio.run(go)
 
 
 @pytest.mark.parametrize("cut", range(0, len(CHUNKED) + 1, 7))
-def test_chunked_split_anywhere(cut: int) -> None:
-    assert body([CHUNKED[cut:]], {"transfer-encoding": "chunked"}, rest=CHUNKED[:cut]) == b"".join(EVENTS)
+def test_chunked_split_anywhere(pieces: list[bytes], cut: int) -> None:
+    pieces.append(CHUNKED[cut:])
+    assert body(pieces, {"transfer-encoding": "chunked"}, rest=CHUNKED[:cut]) == b"".join(EVENTS)
 
 
-def test_chunked_byte_by_byte() -> None:
-    assert body([CHUNKED[i:i + 1] for i in range(len(CHUNKED))], {"transfer-encoding": "chunked"}) == b"".join(EVENTS)
+def test_chunked_byte_by_byte(pieces: list[bytes]) -> None:
+    pieces.extend(CHUNKED[i:i + 1] for i in range(len(CHUNKED)))
+    assert body(pieces, {"transfer-encoding": "chunked"}) == b"".join(EVENTS)
 
 
-def test_content_length_body() -> None:
-    assert body([b"hello", b" world", b"IGNORED"], {"content-length": "11"}) == b"hello world"
+def test_content_length_body(pieces: list[bytes]) -> None:
+    pieces.extend([b"hello", b" world", b"IGNORED"])
+    assert body(pieces, {"content-length": "11"}) == b"hello world"
 
 
-def test_truncated_and_malformed_bodies_are_errors() -> None:
-    with pytest.raises(UpstreamError, match="middle of its answer"):
-        body([CHUNKED[:40]], {"transfer-encoding": "chunked"})
-    with pytest.raises(UpstreamError, match="malformed"):
-        body([b"zz\r\nabc\r\n"], {"transfer-encoding": "chunked"})
-    with pytest.raises(UpstreamError, match="bytes before the end"):
-        body([b"abc"], {"content-length": "10"})
+def test_a_body_without_length_ends_with_the_connection(pieces: list[bytes]) -> None:
+    pieces.extend([b"hello", b" world"])
+    assert body(pieces, {}) == b"hello world"
 
 
-def test_a_clean_chunked_end_leaves_the_connection_reusable() -> None:
-    async def go(data: bytes) -> bool:
-        r = UpstreamResponse(FakeStream([]), 200, {"transfer-encoding": "chunked"}, data)  # type: ignore[arg-type]
+@pytest.mark.parametrize("arrives, headers, error", [
+    ([CHUNKED[:40]], {"transfer-encoding": "chunked"}, "middle of its answer"),
+    ([b"zz\r\nabc\r\n"], {"transfer-encoding": "chunked"}, "malformed"),
+    ([b"abc"], {"content-length": "10"}, "7 bytes before the end"),
+], ids=["truncated-chunked", "malformed-size", "short-content-length"])
+def test_truncated_and_malformed_bodies_are_errors(pieces: list[bytes], arrives: list[bytes],
+                                                   headers: dict[str, str], error: str) -> None:
+    pieces.extend(arrives)
+    with pytest.raises(UpstreamError, match=error):
+        body(pieces, headers)
+
+
+@pytest.mark.parametrize("data, reusable", [(CHUNKED, True), (CHUNKED[:-2], False)], ids=["clean", "no-final-line"])
+def test_a_clean_chunked_end_leaves_the_connection_reusable(data: bytes, reusable: bool) -> None:
+    async def go() -> bool:
+        r = UpstreamResponse(None, 200, {"transfer-encoding": "chunked"}, data)  # type: ignore[arg-type]
         _ = [c async for c in r.chunks()]
         return r.reusable
-    assert trio.run(go, CHUNKED) is True
-    assert trio.run(go, CHUNKED[:-2]) is False  # the final empty line never came
+    assert trio.run(go) is reusable
 
 
-def test_a_stale_pooled_connection_is_retried_on_a_fresh_one() -> None:
+def test_a_stale_pooled_connection_is_retried_on_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
     from reconciler.serve.upstream import Pool, post
+    monkeypatch.undo()  # real sockets here
 
     async def main() -> None:
         async def handler(stream: trio.SocketStream) -> None:
@@ -75,13 +88,15 @@ def test_a_stale_pooled_connection_is_retried_on_a_fresh_one() -> None:
             listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
             port = listeners[0].socket.getsockname()[1]
             pool = Pool()
-            stale = await trio.open_tcp_stream("127.0.0.1", port)
-            await stale.send_all(b"x")
+            stale = await sockio.connect("127.0.0.1", port)
+            await sockio.send(stale, b"x")
             await trio.sleep(0.05)  # closed by the worker: a dead keep-alive connection
-            await pool.give(("127.0.0.1", port), stale)
+            pool.give(("127.0.0.1", port), stale)
             r = await post("127.0.0.1", port, "/v1/completions", b"{}", pool)
             assert r.status == 200 and b"".join([c async for c in r.chunks()]) == b"ok"
-            await r.aclose()
+            assert r.reusable
+            r.close()
+            assert pool.take(("127.0.0.1", port)) is r.sock  # kept for the next request
             nursery.cancel_scope.cancel()
 
     trio.run(main)
