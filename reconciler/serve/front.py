@@ -82,8 +82,8 @@ class Parser:
         self.head_bytes = 0
 
     def feed(self, data: bytes) -> None:
-        if self.current is not None and not self.current.head_done:
-            self.head_bytes += len(data)
+        if self.current is None or not self.current.head_done:
+            self.head_bytes += len(data)  # an upper bound until the head is complete
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -94,7 +94,7 @@ class Parser:
             raise
         except httptools.HttpParserError as exc:
             raise Refused(400, f"malformed HTTP request: {exc}") from None
-        if self.current is not None and not self.current.head_done and self.head_bytes > self.limits.max_head:
+        if (self.current is None or not self.current.head_done) and self.head_bytes > self.limits.max_head:
             raise Refused(431, f"the request head is over {self.limits.max_head} bytes")
 
     @property
@@ -104,7 +104,7 @@ class Parser:
     # httptools callbacks
 
     def on_message_begin(self) -> None:
-        self.current, self.head_bytes = Request(), 0
+        self.current = Request()
 
     def on_url(self, url: bytes) -> None:
         assert self.current is not None
@@ -117,7 +117,9 @@ class Parser:
     def on_headers_complete(self) -> None:
         r = self.current
         assert r is not None
-        r.head_done = True
+        r.head_done, self.head_bytes = True, 0
+        if len(r.target) + sum(len(k) + len(v) + 4 for k, v in r.headers) > self.limits.max_head:
+            raise Refused(431, f"the request head is over {self.limits.max_head} bytes")
         r.method, r.version, r.keep_alive = self.parser.get_method(), self.parser.get_http_version(), \
             self.parser.should_keep_alive()
         length = next((v for k, v in r.headers if k == b"content-length"), None)

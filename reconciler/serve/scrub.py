@@ -1,8 +1,11 @@
 """Replace filesystem paths in a byte stream, chunk by chunk, including paths cut across chunks.
 
-Only what can be decided is emitted: a match is accepted when every pattern that could start at
-its position fits in the bytes seen so far (so a path is never replaced by a shorter prefix of it,
-such as the home directory of a store path); the undecided tail waits for the next chunk."""
+Only what can be decided is emitted. The bytes held back are the shortest tail that could still
+grow into a path (a suffix of the chunk that is a proper prefix of some path), so an event that
+ends in no such tail leaves whole at once: a streamed token is never kept waiting for the next.
+A match is accepted only when no longer path could start at its position with the bytes still
+to come (so a path is never replaced by a shorter prefix of it, such as the home directory of a
+store path)."""
 
 from __future__ import annotations
 
@@ -11,30 +14,50 @@ from functools import lru_cache
 
 
 @lru_cache(maxsize=1024)
-def _compile(paths: frozenset[str]) -> tuple[re.Pattern[bytes] | None, int]:
-    pats = sorted({p.encode() for p in paths if p}, key=len, reverse=True)  # longest first wins
-    return (re.compile(b"|".join(re.escape(p) for p in pats)) if pats else None,
-            max((len(p) for p in pats), default=0))
+def _compile(paths: frozenset[str]) -> tuple[re.Pattern[bytes] | None, tuple[bytes, ...], bytes]:
+    pats = tuple(sorted({p.encode() for p in paths if p}, key=len, reverse=True))  # longest first wins
+    regex = re.compile(b"|".join(re.escape(p) for p in pats)) if pats else None
+    return regex, pats, bytes(sorted({p[0] for p in pats}))
+
+
+def _positions(buf: bytes, byte: int, start: int) -> list[int]:
+    found, p = [], buf.find(byte, start)
+    while p >= 0:
+        found.append(p)
+        p = buf.find(byte, p + 1)
+    return found
 
 
 class Scrubber:
     def __init__(self, paths: list[str], replacement: str) -> None:
-        self.regex, self.maxlen = _compile(frozenset(paths))  # one compile per node's set of paths
+        self.regex, self.pats, self.firsts = _compile(frozenset(paths))  # compiled once per set of paths
+        self.maxlen = len(self.pats[0]) if self.pats else 0
         self.repl = replacement.encode()
         self.pending = b""
+
+    def _hold(self, buf: bytes) -> int:
+        """Where the undecidable tail of `buf` starts (len(buf) when nothing needs holding)."""
+        n = len(buf)
+        start = max(0, n - self.maxlen + 1)  # a tail longer than every path is decidable
+        candidates = sorted(p for first in self.firsts for p in _positions(buf, first, start))
+        for p in candidates:
+            tail = buf[p:]
+            if any(len(pat) > len(tail) and pat.startswith(tail) for pat in self.pats):
+                return p
+        return n
 
     def feed(self, chunk: bytes) -> bytes:
         if self.regex is None:
             return chunk
         buf = self.pending + chunk
-        limit = len(buf) - self.maxlen + 1  # a match starting before here is fully decidable
+        hold = self._hold(buf)
         out, pos = [], 0
         for m in self.regex.finditer(buf):
-            if m.start() >= limit:
+            if m.start() >= hold:
                 break
             out += [buf[pos:m.start()], self.repl]
             pos = m.end()
-        cut = max(pos, limit)
+        cut = max(pos, hold)
         out.append(buf[pos:cut])
         self.pending = buf[cut:]
         return b"".join(out)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reconciler.serve.scrub import Scrubber
 
@@ -36,3 +38,25 @@ def test_byte_by_byte_and_nothing_leaks() -> None:
 def test_no_paths_is_a_pass_through() -> None:
     s = Scrubber([], "x")
     assert s.feed(b"abc") + s.flush() == b"abc"
+
+
+def test_an_event_ending_in_no_path_prefix_leaves_whole() -> None:
+    s = Scrubber([HOME, STORE], "chat")
+    event = f'data: {{"model":"{STORE}","text":"a/b"}}\n\n'.encode()
+    assert s.feed(event) == b'data: {"model":"chat","text":"a/b"}\n\n'  # nothing held for the next token
+    assert s.feed(b'data: {"x":"/var/l') == b'data: {"x":"'  # this tail may still grow into HOME
+    assert s.feed(b'ib/fleet-agent/store"}') + s.flush() == b'chat/store"}'
+
+
+def test_paths_with_different_first_bytes_hold_from_the_earliest() -> None:
+    s = Scrubber(["/srv/home", "~/fleet"], "m")
+    assert s.feed(b"ab~/fl") == b"ab"
+    assert s.feed(b"eet /srv/h") == b"m "
+    assert s.feed(b"ome.") + s.flush() == b"m."
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=len(BODY)), max_size=12))
+def test_any_number_of_cuts(cuts: list[int]) -> None:
+    bounds = [0, *sorted(cuts), len(BODY)]
+    assert run([BODY[a:b] for a, b in zip(bounds, bounds[1:])]) == EXPECTED
