@@ -1,12 +1,20 @@
 """bench/relay: the same streamed chat requests sent straight to a worker and through the router,
-at 1 and 64 concurrent streams; prints added time-to-first-byte (p50, p99) and chunks/s as ratios
-measured side by side in one run. Targets (issue 7): <= 1 ms p50 added, >= 95% of direct throughput.
+at 1 and 64 concurrent streams, in rounds that alternate which goes first; prints the time to the
+first event the relay adds (p50, p99), relayed/direct events per second (median and range over
+rounds) and each process's CPU per event. Targets (issue 7): <= 1 ms p50 added, >= 95% of direct.
 
-The worker here is a STAND-IN that streams CHUNKS OpenAI-shaped SSE chunks as fast as it can, so
-that the relay, not a model, is what is measured. The router is fleet's own (reconciler.serve.router)
-behind its own HTTP front (reconciler.serve.front), in its own process, as `fleet serve` runs it, with a heartbeat view that says the stand-in is running.
+The worker is a STAND-IN (hypercorn + starlette) that streams CHUNKS OpenAI-shaped SSE events as
+fast as it can, so that the relay, not a model, is what is measured. The router is fleet's own
+(reconciler.serve.router behind reconciler.serve.front), in its own process, as `fleet serve`
+runs it, with a heartbeat view that says the stand-in is running.
 
-    .venv/bin/python bench/relay.py [--chunks 200] [--requests 100]
+Client, router and worker share this machine's cores, so the load generator competes with the
+relay for CPU: the default client is a lean raw-socket reader (fleet's own upstream reader);
+`--client httpx` uses httpx's line iterator, which costs about 85 us per event here, so that
+client and worker alone fill two cores and every microsecond the relay spends shows as lost
+throughput.
+
+    .venv/bin/python bench/relay.py [--chunks 200] [--requests 100] [--rounds 5] [--client lean|httpx]
 """
 
 from __future__ import annotations

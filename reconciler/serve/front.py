@@ -287,7 +287,7 @@ class Exchange:
         while not (self.gone or self.finished):
             try:
                 data = await sockio.receive(self.sock, READ)
-            except OSError:
+            except (OSError, trio.ClosedResourceError):
                 data = b""
             if not data:
                 self.gone = True
@@ -345,6 +345,6 @@ class Exchange:
             self.started = True
             try:
                 await sockio.send(self.sock, out)
-            except OSError:
+            except (OSError, trio.ClosedResourceError):
                 self.gone = True
                 raise ClientGone() from None
