@@ -74,14 +74,8 @@ def serve_router(port: int, upstream: int) -> None:
                       {"m": ModelSpec("m", "safetensors", digest, "w")}, (), {"chat": ClusterSpec("chat", "m", ("w",), upstream)})
     view = View(states={"w": {"servers": [{"id": "chat@w", "state": "running", "model": digest}],
                               "inventory": {"disk": {"path": "/srv/home"}}, "weights": []}}, online={"w": True})
+
     async def main() -> None:
-        if os.environ.get("PROFILE"):
-            import cProfile, signal
-            prof = cProfile.Profile()
-            prof.enable()
-            def dump(*_):
-                prof.disable(); prof.dump_stats(os.environ["PROFILE"]); os._exit(0)
-            signal.signal(signal.SIGTERM, dump)
         front = Front(Router(desired, view).app())
         await front.serve(front.listen(HOST, port), trio.Event())
     trio.run(main)
