@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
+
 import httpx
 import trio
 from starlette.applications import Starlette

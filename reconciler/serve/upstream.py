@@ -61,6 +61,8 @@ class UpstreamResponse:
         else:
             self._mode = "plain"
             self._left = int(headers["content-length"]) if "content-length" in headers else None
+            if self._left is not None and self._left < 0:
+                raise ValueError("negative Content-Length")
             self._done = self._left == 0
             self.reusable = self._done
 
@@ -189,4 +191,8 @@ async def _exchange(sock: socket.socket, host: str, port: int, path: str, body: 
         sockio.close(sock)
         raise UpstreamError(f"{host}:{port} sent a malformed status line", started=False)
     status, headers = parsed
-    return UpstreamResponse(sock, status, headers, rest, pool, key)
+    try:
+        return UpstreamResponse(sock, status, headers, rest, pool, key)
+    except ValueError:
+        sockio.close(sock)
+        raise UpstreamError(f"{host}:{port} sent a malformed Content-Length", started=False) from None

@@ -100,3 +100,22 @@ def test_a_stale_pooled_connection_is_retried_on_a_fresh_one(monkeypatch: pytest
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_malformed_content_length_is_an_error_before_anything_is_relayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reconciler.serve.upstream import post
+    monkeypatch.undo()  # real sockets here
+
+    async def main() -> None:
+        async def handler(stream: trio.SocketStream) -> None:
+            async with stream:
+                await stream.receive_some(65536)
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: lots\r\n\r\nok")
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+            with pytest.raises(UpstreamError, match="malformed Content-Length") as caught:
+                await post("127.0.0.1", listeners[0].socket.getsockname()[1], "/v1/completions", b"{}")
+            assert caught.value.started is False  # another member may still be tried
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
