@@ -255,7 +255,7 @@ def create_app(ctx: AgentContext) -> ASGIApp:
                             Route("/v1/servers/{sid}", get_server, methods=["GET"]),
                             Route("/v1/servers/{sid}", delete_server, methods=["DELETE"]),
                             Route("/metrics", metrics)],
-                    exception_handlers=handlers)  # type: ignore[arg-type]
+                    exception_handlers=handlers)
     app.state.ctx = ctx
     return BearerAuth(app, ctx.secret)
 

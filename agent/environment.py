@@ -142,7 +142,7 @@ def variant_findings(gpu_count: int, gpu_note: str, eng: dict[str, Any],
 def llama_gpu_offload() -> bool | None:
     """Whether the installed llama.cpp library can offload to a GPU (loads the library: doctor only)."""
     try:
-        import llama_cpp  # type: ignore[import-not-found]
+        import llama_cpp
 
         return bool(llama_cpp.llama_supports_gpu_offload())
     except Exception:

@@ -164,7 +164,7 @@ class Fetcher:
                 if kept < seg.size:
                     fh.seek(pos + kept)
 
-                    def take(chunk: bytes | memoryview) -> None:
+                    def take(chunk: bytes | bytearray | memoryview) -> None:
                         fh.write(chunk)
                         for x in hashers:
                             x.update(chunk)

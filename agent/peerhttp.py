@@ -22,7 +22,7 @@ BULK = 8 << 20  # bodies larger than this are received in a worker thread
 IDLE_TIMEOUT = 60.0  # a peer that sends nothing for this long is given up on (the fetch can resume)
 
 
-def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | memoryview], None]) -> int:
+def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | bytearray | memoryview], None]) -> int:
     """Receive up to `want` bytes on a duplicate of `fd`, blocking; returns how many arrived."""
     # A duplicate descriptor: closing it leaves trio's socket open. Both share O_NONBLOCK, which
     # Python's timeout mode expects anyway (it polls, then reads).
@@ -78,7 +78,7 @@ async def _connect(base: str, ssl_context: ssl.SSLContext | None) -> tuple[trio.
     return stream, f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
 
 
-async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | memoryview], None], *,
+async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | bytearray | memoryview], None], *,
               start: int | None = None, end: int | None = None,
               ssl_context: ssl.SSLContext | None = None) -> int:
     """GET base+path (bytes start..end inclusive when given), feeding the body to `on_data` as it
@@ -155,7 +155,7 @@ async def get_bytes(base: str, path: str, secret: str, *, limit: int = 64 << 20,
     parts: list[bytes] = []
     size = 0
 
-    def take(chunk: bytes | memoryview) -> None:
+    def take(chunk: bytes | bytearray | memoryview) -> None:
         nonlocal size
         size += len(chunk)
         if size > limit:

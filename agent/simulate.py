@@ -26,6 +26,8 @@ from .workers import Refused, Server, Workers
 class SimulatedWorkers(Workers):
     """Keeps the agent's server table and its refusals (ids, ports, models held), spawns nothing."""
 
+    held: set[str]  # digests the simulation claims, set by simulate() for each agent
+
     def start(self, body: dict[str, Any]) -> Server:
         sid, digest = body.get("id"), body.get("model")
         if not isinstance(sid, str) or not isinstance(digest, str) or not isinstance(body.get("port"), int):
@@ -76,8 +78,9 @@ def build(base: Path, first: str, count: int, secret: bytes, gpus: Path,
         ctx = AgentContext(home=home, identity=ident, secret=secret, version=__version__,
                            gpu_probe=SimulatedGpus(gpus), spawner=spawner, listen_host=address,
                            engines={"torch": None, "transformers": None, "llama_cpp": None})
-        ctx.workers = SimulatedWorkers(home, ctx.store, spawner, address)
-        ctx.workers.held = {h["digest"] for h in held}  # type: ignore[attr-defined]
+        workers = SimulatedWorkers(home, ctx.store, spawner, address)
+        workers.held = {h["digest"] for h in held}
+        ctx.workers = workers
         _claim(ctx, held)
         contexts[address] = ctx
     return contexts, spawner
@@ -91,10 +94,15 @@ def _claim(ctx: AgentContext, held: list[dict[str, Any]]) -> None:
         return real() + [{**h, "name": h.get("name", ""), "layers": None, "slice": None,
                           "path": "(simulated)", "simulated": True} for h in held]
     ctx.store.entries = entries  # type: ignore[method-assign]
-    present = ctx.store.is_present
-    ctx.store.is_present = lambda d: d in {h["digest"] for h in held} or present(d)  # type: ignore[method-assign]
-    entry = ctx.store.entry
-    ctx.store.entry = lambda d: next((e for e in entries() if e["digest"] == d), None) or entry(d)  # type: ignore[method-assign]
+    present, entry = ctx.store.is_present, ctx.store.entry
+
+    def is_present(digest: str) -> bool:
+        return digest in {h["digest"] for h in held} or present(digest)
+
+    def simulated_entry(digest: str) -> dict[str, Any]:
+        return next((e for e in entries() if e["digest"] == digest), None) or entry(digest)
+    ctx.store.is_present = is_present  # type: ignore[method-assign]
+    ctx.store.entry = simulated_entry  # type: ignore[method-assign]
 
 
 def serve(base: Path, first: str, count: int, port: int, secret: bytes, gpus: Path, held: list[dict[str, Any]]) -> None:

@@ -184,7 +184,9 @@ def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, store: Store)
             err.print("Apply cancelled; nothing changed.")
             return Exit.OK
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    results = trio.run(_execute, loaded.desired, p, args)
+    desired = loaded.desired
+    assert desired is not None
+    results = trio.run(_execute, desired, p, args)
     store.record_apply(started, p.config_digest, p.summary(), [asdict(r) for r in results])
     _report(results)
     failed = [r for r in results if r.status != "done"]
@@ -227,18 +229,19 @@ def cmd_serve(args: argparse.Namespace, path: str) -> int:
     from .serve.run import ServeRefused, serve
 
     loaded = _load(path)
-    assert loaded.desired is not None
+    desired = loaded.desired
+    assert desired is not None
     logging.basicConfig(level=logging.INFO, format="fleet serve: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per heartbeat request is noise
     store = Store(Path(args.state_dir) if args.state_dir else default_state_dir())
     try:
-        trio.run(lambda: serve(loaded.desired, _secret(), store, interval=args.interval, misses=args.misses,
+        trio.run(lambda: serve(desired, _secret(), store, interval=args.interval, misses=args.misses,
                                timeout=args.timeout))
     except ServeRefused as exc:
         console(stderr=True).print(f"[red]error:[/] {exc}")
         return Exit.INVALID_CONFIG
     except OSError as exc:
-        console(stderr=True).print(f"[red]error:[/] cannot listen on {loaded.desired.control_plane.listen}: "
+        console(stderr=True).print(f"[red]error:[/] cannot listen on {desired.control_plane.listen}: "
                                    f"{exc.strerror or exc}")
         return Exit.FAILURE
     finally:

@@ -191,7 +191,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         demo.main()
-        code = Exit.OK
+        code: int = Exit.OK
     except KeyboardInterrupt:
         interrupted, code = True, 130
     except RuntimeError as exc:

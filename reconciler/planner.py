@@ -61,7 +61,8 @@ def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
                 out[f"{prefix}{k}"] = v
         return out
     a, b = flat(old), flat(new)
-    show = lambda v: "unset" if v is None else str(v)  # noqa: E731
+    def show(v: object) -> str:
+        return "unset" if v is None else str(v)
     return [f"{k} {show(a.get(k))} → {show(b.get(k))}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
 
 
@@ -301,7 +302,7 @@ class _Planner:
                                            f"{node} holds {name} ({held.bytes:,} bytes) that no replica asks for",
                                            tuple(stopping.get(digest, ())), {"digest": digest}, drift=True))
         # A start waits for the stops on its node: they may free its port.
-        stops = {}
+        stops: dict[str, list[str]] = {}
         for ch in self.changes:
             if ch.action is Action.STOP:
                 stops.setdefault(ch.node, []).append(ch.address)

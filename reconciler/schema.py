@@ -31,7 +31,8 @@ def schema_path(name: str) -> Path:
 
 @cache
 def load_schema(name: str = "fleet.schema.json") -> dict[str, Any]:
-    return json.loads(schema_path(name).read_text(encoding="utf-8"))
+    schema: dict[str, Any] = json.loads(schema_path(name).read_text(encoding="utf-8"))
+    return schema
 
 
 @cache
@@ -65,7 +66,7 @@ def _resolve(subschema: Any) -> dict[str, Any]:
 
 
 def _description(err: ValidationError) -> str:
-    e: ValidationError | None = err
+    e: Any = err  # jsonschema types a parent as its own private error class
     while e is not None:
         desc = _resolve(e.schema).get("description")
         if desc:
@@ -106,6 +107,7 @@ def _translate(doc: Document, err: ValidationError) -> list[Diagnostic]:
     instance = err.instance
     detail = _description(err)
     kind = err.validator
+    value: Any = err.validator_value  # what the failing keyword asked for (the stubs say it may be unset)
 
     if kind == "additionalProperties" and isinstance(instance, dict):
         allowed = sorted(_resolve(err.schema).get("properties", {}))
@@ -123,7 +125,7 @@ def _translate(doc: Document, err: ValidationError) -> list[Diagnostic]:
     if kind == "required" and isinstance(instance, dict):
         props = _resolve(err.schema).get("properties", {})
         out = []
-        for key in err.validator_value:
+        for key in value:
             if key in instance:
                 continue
             field_desc = _resolve(props.get(key, {})).get("description", "")
@@ -137,18 +139,17 @@ def _translate(doc: Document, err: ValidationError) -> list[Diagnostic]:
                       or "Names are 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit.",
                       address=format_path(path + (key,)), range=doc.range(path + (key,), key=True))]
     if kind == "type":
-        expected = err.validator_value
-        names = [_TYPE_NAMES.get(t, t) for t in (expected if isinstance(expected, list) else [expected])]
+        names = [_TYPE_NAMES.get(t, str(t)) for t in (value if isinstance(value, list) else [value])]
         summary = f"{where} must be {' or '.join(names)}, not {_describe(instance)}"
     elif kind in ("const", "enum"):
-        options = [err.validator_value] if kind == "const" else list(err.validator_value)
+        options = [value] if kind == "const" else list(value)
         summary = f"{where} must be {' or '.join(json.dumps(o) for o in options)}, not {_describe(instance)}"
     elif kind in ("pattern", "anyOf", "oneOf", "format"):
         summary = f"{where}: {_describe(instance)} is not valid here"
     elif kind in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         bound = {"minimum": "at least", "maximum": "at most", "exclusiveMinimum": "more than",
                  "exclusiveMaximum": "less than"}[kind]
-        summary = f"{where} must be {bound} {err.validator_value}, not {instance!r}"
+        summary = f"{where} must be {bound} {value}, not {instance!r}"
     elif kind in ("minItems", "minProperties"):
         summary = f"{where} must not be empty"
     elif kind in ("minLength", "maxLength", "maxItems"):

@@ -37,23 +37,27 @@ class Engine:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.name = model_dir  # like llama.cpp, the engine names the model by its path
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        model, info = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, output_loading_info=True)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, output_loading_info=True)
+        model, info = loaded
         missing = sorted(info.get("missing_keys") or [])
         if missing:
             # transformers would fill these with random values and serve garbage without a word.
             raise SystemExit(f"{model_dir}: the weights lack {len(missing)} tensor(s) the model needs: "
                              + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
         self.model = model.to(self.device).eval()
-        self.draft = (AutoModelForCausalLM.from_pretrained(draft, local_files_only=True).to(self.device).eval()
-                      if draft else None)
+        draft_model: Any = AutoModelForCausalLM.from_pretrained(draft, local_files_only=True) if draft else None
+        self.draft = draft_model.to(self.device).eval() if draft_model is not None else None
         limit = getattr(self.model.config, "max_position_embeddings", None)
         self.context_length = min(context_length or limit or 2048, limit or context_length or 2048)
         self.prompt_lookup = prompt_lookup
         self.lock = trio.Lock()  # one generation at a time per worker: a CPU runs one well
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def decode(self, toks: list[int]) -> str:
+        return str(self.tokenizer.decode(toks, skip_special_tokens=True))
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt)["input_ids"])
@@ -136,13 +140,13 @@ def create_app(engine: Engine) -> Starlette:
             shown = ""
             async for tok in receive:
                 toks.append(tok)
-                text = engine.tokenizer.decode(toks, skip_special_tokens=True)
+                text = engine.decode(toks)
                 if text.endswith("\ufffd"):
                     continue
                 if len(text) > len(shown):
                     yield text[len(shown):]
                     shown = text
-            final = engine.tokenizer.decode(toks, skip_special_tokens=True)
+            final = engine.decode(toks)
             if len(final) > len(shown):  # an incomplete character at the very end: send it as it is
                 yield final[len(shown):]
 

@@ -89,8 +89,9 @@ class Parser:
         except httptools.HttpParserUpgrade:
             raise Refused(400, "protocol upgrades are not served here") from None
         except httptools.HttpParserCallbackError as exc:
-            if isinstance(exc.__cause__ or exc.__context__, Refused):
-                raise (exc.__cause__ or exc.__context__) from None
+            why = exc.__cause__ or exc.__context__  # what our callback raised
+            if isinstance(why, Refused):
+                raise why from None
             raise
         except httptools.HttpParserError as exc:
             raise Refused(400, f"malformed HTTP request: {exc}") from None

@@ -38,7 +38,7 @@ class RelayStream(Response):
     def __init__(self, router: "Router", response: upstream.UpstreamResponse, scrub: Scrubber, node: str) -> None:
         self.router, self.upstream, self.scrub, self.node = router, response, scrub, node
         self.status_code = response.status
-        self.media_type = response.headers.get("content-type", "text/event-stream")
+        self.content_type = response.headers.get("content-type", "text/event-stream")
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -46,7 +46,7 @@ class RelayStream(Response):
         metrics.streams.inc()
         try:
             await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": [(b"content-type", self.media_type.encode()), (b"cache-control", b"no-cache")]})
+                        "headers": [(b"content-type", self.content_type.encode()), (b"cache-control", b"no-cache")]})
             async with trio.open_nursery() as nursery:
                 async def disconnected() -> None:
                     while (await receive())["type"] != "http.disconnect":
@@ -119,7 +119,8 @@ class Router:
         return True, ""
 
     def candidates(self, c: ClusterSpec) -> tuple[list[str], list[str]]:
-        ok, why = [], []
+        ok: list[str] = []
+        why: list[str] = []
         for node in c.members:
             good, reason = self.member_state(c, node)
             (ok if good else why).append(node if good else reason)

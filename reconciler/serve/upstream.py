@@ -104,13 +104,13 @@ class UpstreamResponse:
     def _decode(self) -> bytes:
         buf = self._buf
         if self._mode == "plain":
-            out, self._buf = buf, b""
+            body, self._buf = buf, b""
             if self._left is not None:
-                out = out[:self._left]
-                self._left -= len(out)
+                body = body[:self._left]
+                self._left -= len(body)
                 if self._left == 0:
                     self._done = self.reusable = True
-            return out
+            return body
         out: list[bytes] = []
         while True:
             if self._mode == "data":
