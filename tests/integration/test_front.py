@@ -52,7 +52,7 @@ async def served(app: Callable[[Scope, Receive, Send], Awaitable[None]],
         stop.set()
 
 
-async def exchange(port: int, data: bytes, *, until_close: bool = True, timeout: float = 5) -> bytes:
+async def exchange(port: int, data: bytes, *, timeout: float = 5) -> bytes:
     """Send raw bytes, return everything received until the server closes (or the timeout)."""
     stream = await trio.open_tcp_stream(HOST, port)
     await stream.send_all(data)
@@ -60,8 +60,6 @@ async def exchange(port: int, data: bytes, *, until_close: bool = True, timeout:
     with trio.move_on_after(timeout):
         while chunk := await stream.receive_some(65536):
             got += chunk
-            if not until_close and got.endswith(b"\r\n\r\n"):
-                break
     await stream.aclose()
     return got
 
