@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 
 import httpx
 import trio
@@ -20,6 +21,8 @@ from .metrics import ServeMetrics
 from . import upstream
 from .scrub import Scrubber
 
+
+log = logging.getLogger("fleet")
 
 RELAYED = frozenset({"/v1/completions", "/v1/chat/completions"})
 
@@ -74,6 +77,7 @@ class RelayStream(Response):
                     sent.inc(len(out))
             tail = scrub.flush()
         except upstream.UpstreamError as exc:
+            log.warning("the member on %s failed mid-stream: %s", self.node, exc)
             event = {"error": {"message": f"the member on {self.node} failed mid-stream: {exc}",
                                "type": "fleet_error", "code": "member_failed_mid_stream", "node": self.node}}
             tail = scrub.flush() + b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
@@ -154,12 +158,13 @@ class Router:
             return api_error(404, "model_not_found", f"no cluster or model named {name!r}; see GET /v1/models")
         members, why = self.candidates(cluster)
         if not members:
-            return api_error(503, "no_running_member",
-                             f"cluster {cluster.name!r} has no running member: " + "; ".join(why))
+            message = f"cluster {cluster.name!r} has no running member: " + "; ".join(why)
+            log.warning("%s", message)
+            return api_error(503, "no_running_member", message)
         stream = bool(body.get("stream"))
         failures = []
         for node in members:
-            host, path = self.d.nodes[node].address, request.url.path
+            host, path = self.d.nodes[node].address, request.scope["path"]
             self.outstanding[node] = self.outstanding.get(node, 0) + 1
             if stream:
                 try:
@@ -168,6 +173,7 @@ class Router:
                     # Nothing reached the client yet: the next member may answer.
                     self.outstanding[node] -= 1
                     failures.append(f"{node}: {exc}")
+                    log.warning("cluster %s: the member on %s did not answer: %s", cluster.name, node, exc)
                     continue
                 return RelayStream(self, upstream_response, self.scrubber(node, cluster.name), node)
             try:
@@ -175,6 +181,8 @@ class Router:
                                                 headers={"content-type": "application/json"})
             except httpx.TransportError as exc:
                 failures.append(f"{node}: {type(exc).__name__}: {exc}")
+                log.warning("cluster %s: the member on %s did not answer: %s: %s", cluster.name, node,
+                            type(exc).__name__, exc)
                 continue
             finally:
                 self.outstanding[node] -= 1
@@ -183,7 +191,9 @@ class Router:
             self.metrics.relay_bytes.inc(len(content))
             return Response(content, status_code=response.status_code,
                             media_type=response.headers.get("content-type", "application/json"))
-        return api_error(502, "no_member_answered", f"no member of {cluster.name!r} answered: " + "; ".join(failures))
+        message = f"no member of {cluster.name!r} answered: " + "; ".join(failures)
+        log.warning("%s", message)
+        return api_error(502, "no_member_answered", message)
 
     # ---- the app ----
 

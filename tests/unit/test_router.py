@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -90,3 +91,29 @@ def test_metrics_count_requests_and_node_health() -> None:
     assert 'fleet_requests_total{cluster="-",status="404"} 1.0' in text
     assert 'fleet_node_up{node="a"} 1.0' in text and 'fleet_node_up{node="b"} 0.0' in text
     assert json.loads(call(router, "/v1/models", method="GET").text)["data"][0]["id"] == "chat"
+
+
+def test_a_member_that_does_not_answer_is_skipped_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    inner = upstream()
+
+    class DeadA(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.host == "10.0.0.2":
+                raise httpx.ConnectError("connection refused")
+            return await inner.handle_async_request(request)
+
+    router = Router(desired(), view({"a": "running", "b": "running"}), transport=DeadA())
+    r = call(router, body={"model": "chat", "prompt": "x"})
+    assert r.status_code == 200 and r.json()["served_by"] == "b"
+    assert "cluster chat: the member on a did not answer: ConnectError: connection refused" in caplog.text
+
+
+def test_no_member_answering_is_502_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    class Dead(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            raise httpx.ConnectError("connection refused")
+
+    router = Router(desired(), view({"a": "running", "b": "running"}), transport=Dead())
+    r = call(router, body={"model": "chat", "prompt": "x"})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "no_member_answered"
+    assert "no member of 'chat' answered: a: ConnectError" in caplog.text
