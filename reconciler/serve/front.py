@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import socket
 from collections import deque
 from dataclasses import dataclass, field
@@ -197,15 +198,25 @@ class Front:
                     return
         except Refused as exc:
             await refuse(sock, exc.status, str(exc))
-        except (OSError, trio.ClosedResourceError, ClientGone, trio.TooSlowError):
+        except trio.TooSlowError:
+            await refuse(sock, 408, f"the request did not arrive within {self.limits.read_timeout:g}s")
+        except (OSError, trio.ClosedResourceError, ClientGone):
             return
         finally:
             sockio.close(sock)
 
     async def _next_request(self, sock: socket.socket, parser: Parser) -> Request | None:
+        head_deadline = math.inf
         while not parser.ready:
-            if parser.in_progress:
-                with trio.fail_after(self.limits.read_timeout):
+            current = parser.current
+            if current is not None:
+                # The head must be whole within read_timeout of its first byte (a client that
+                # sends a byte now and then cannot hold a connection forever); a body must keep
+                # arriving, a read at least every read_timeout.
+                if not current.head_done and head_deadline == math.inf:
+                    head_deadline = trio.current_time() + self.limits.read_timeout
+                deadline = head_deadline if not current.head_done else trio.current_time() + self.limits.read_timeout
+                with trio.fail_at(deadline):
                     data = await sockio.receive(sock, READ)
             else:
                 # Idle between requests: closed after keep_alive, or at once on shutdown.

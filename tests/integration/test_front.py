@@ -191,12 +191,30 @@ def test_a_client_leaving_mid_stream_is_seen_by_the_app_at_once() -> None:
 
 def test_slow_and_idle_clients_are_cut_off() -> None:
     async def main() -> None:
-        async with served(echo, Limits(read_timeout=0.2, keep_alive=0.3)) as (port, _, _):
-            with trio.fail_after(3):  # half a request, then silence: closed after read_timeout
-                assert await exchange(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Len") == b""
+        async with served(echo, Limits(read_timeout=0.3, keep_alive=0.3)) as (port, _, _):
+            with trio.fail_after(3):  # half a request, then silence: 408 after read_timeout
+                status, error = error_of(await exchange(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Len"))
+                assert status == 408 and "within 0.3s" in error["message"]
             with trio.fail_after(3):  # a kept-alive connection with nothing more to ask: closed after keep_alive
                 got = await exchange(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
                 assert got.startswith(b"HTTP/1.1 200 OK")
+
+            # A head trickled a byte at a time, each within read_timeout: cut off all the same.
+            stream = await trio.open_tcp_stream(HOST, port)
+            start = trio.current_time()
+            got = b""
+            with trio.fail_after(3):
+                for byte in b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"y" * 100:
+                    try:
+                        await stream.send_all(bytes([byte]))
+                    except trio.BrokenResourceError:
+                        break
+                    with trio.move_on_after(0.1):
+                        got += await stream.receive_some(65536)
+                    if got:
+                        break
+            assert got.startswith(b"HTTP/1.1 408") and trio.current_time() - start < 1.0
+            await stream.aclose()
     run(main)
 
 
