@@ -258,18 +258,48 @@ def test_a_port_in_use_is_a_plain_oserror() -> None:
         taken.close()
 
 
-def test_a_client_leaving_a_relayed_stream_closes_the_workers_connection() -> None:
-    """Through the router: the worker (a stand-in that streams an event every 20 ms until its
-    connection closes) must see its connection closed soon after the client goes away."""
+@asynccontextmanager
+async def relayed(worker: Callable[[trio.SocketStream], Awaitable[None]]) -> AsyncIterator[tuple[trio.SocketStream,
+                                                                                                   Any]]:
+    """The router behind the front, its one cluster served by `worker` (a raw stand-in on
+    loopback whose node's home is /srv/home, holding /srv/home/store/models/abc); yields a client connection that has sent a
+    streamed chat request, and the router."""
     from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
     from reconciler.serve.heartbeat import View
     from reconciler.serve.router import Router
 
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, worker, 0, host=HOST))
+        digest = "sha256:" + "1" * 64
+        desired = Desired(1, ControlPlaneSpec("w"), {"w": NodeSpec("w", HOST)},
+                          {"m": ModelSpec("m", "safetensors", digest, "w")}, (),
+                          {"chat": ClusterSpec("chat", "m", ("w",), listeners[0].socket.getsockname()[1])})
+        view = View(states={"w": {"servers": [{"id": "chat@w", "state": "running", "model": digest}],
+                                  "inventory": {"disk": {"path": "/srv/home"}},
+                                  "weights": [{"path": "/srv/home/store/models/abc"}]}},
+                    online={"w": True})
+        router = Router(desired, view)
+        async with served(router.app()) as (port, _, _):
+            client = await trio.open_tcp_stream(HOST, port)
+            body = b'{"model": "chat", "stream": true}'
+            await client.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                                  % (len(body), body))
+            yield client, router
+            await client.aclose()
+        nursery.cancel_scope.cancel()
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def test_a_client_leaving_a_relayed_stream_closes_the_workers_connection() -> None:
+    """The worker streams an event every 20 ms until its connection closes: it must see it
+    closed soon after the client goes away, and the member's count of requests drop to 0."""
     worker_saw_close = trio.Event()
 
     async def worker(stream: trio.SocketStream) -> None:
         await stream.receive_some(65536)
-        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        await stream.send_all(SSE_HEAD)
         try:
             while True:
                 await stream.send_all(b"9\r\ndata: x\n\n\r\n")
@@ -278,30 +308,32 @@ def test_a_client_leaving_a_relayed_stream_closes_the_workers_connection() -> No
             worker_saw_close.set()
 
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(functools.partial(trio.serve_tcp, worker, 0, host=HOST))
-            worker_port = listeners[0].socket.getsockname()[1]
-            digest = "sha256:" + "1" * 64
-            desired = Desired(1, ControlPlaneSpec("w"), {"w": NodeSpec("w", HOST)},
-                              {"m": ModelSpec("m", "safetensors", digest, "w")}, (),
-                              {"chat": ClusterSpec("chat", "m", ("w",), worker_port)})
-            view = View(states={"w": {"servers": [{"id": "chat@w", "state": "running", "model": digest}],
-                                      "inventory": {"disk": {"path": "/srv/home"}}, "weights": []}},
-                        online={"w": True})
-            router = Router(desired, view)
-            async with served(router.app()) as (port, _, _):
-                client = await trio.open_tcp_stream(HOST, port)
-                body = b'{"model": "chat", "stream": true}'
-                await client.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
-                                      % (len(body), body))
-                got = b""
-                with trio.move_on_after(5):
-                    while b"data: x" not in got:
-                        got += await client.receive_some(65536)
-                assert b"data: x" in got, got
-                await client.aclose()
-                with trio.fail_after(3):
-                    await worker_saw_close.wait()
-                assert router.outstanding["w"] == 0
-            nursery.cancel_scope.cancel()
+        async with relayed(worker) as (client, router):
+            got = b""
+            with trio.fail_after(5):
+                while b"data: x" not in got:
+                    got += await client.receive_some(65536)
+            await client.aclose()
+            with trio.fail_after(3):
+                await worker_saw_close.wait()
+            assert router.outstanding["w"] == 0
+    run(main)
+
+
+def test_each_event_reaches_the_client_whole_before_the_next_is_made() -> None:
+    """The worker sends one event naming its store path, then nothing for 3 s: the client must
+    have that event, scrubbed and complete to its blank line, well before the second."""
+    async def worker(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)
+        first = b'data: {"model": "/srv/home/store/models/abc", "text": "a"}\n\n'
+        await stream.send_all(SSE_HEAD + b"%x\r\n%s\r\n" % (len(first), first))
+        await trio.sleep(3)
+        await stream.send_all(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+
+    async def main() -> None:
+        async with relayed(worker) as (client, _):
+            got = b""
+            with trio.fail_after(1):
+                while not got.endswith(b'data: {"model": "chat", "text": "a"}\n\n\r\n'):
+                    got += await client.receive_some(65536)
     run(main)
