@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 
 import httpx
 import trio
@@ -68,13 +69,25 @@ class RelayStream(Response):
             self.router.outstanding[self.node] -= 1
 
     async def relay(self, send: Send) -> None:
-        response, scrub, sent = self.upstream, self.scrub, self.router.metrics.relay_bytes
+        response, scrub, sent, timeout = self.upstream, self.scrub, self.router.metrics.relay_bytes, self.router.timeout
+        # The worker may stay silent for `timeout`. Moving a deadline costs trio a heap push, so it
+        # is moved at most every `step` seconds: silence is measured to within that step.
+        step, moved = min(1.0, timeout / 4), -math.inf
         try:
-            while piece := await response.read():
-                out = scrub.feed(piece)
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                    sent.inc(len(out))
+            with trio.CancelScope() as silence:
+                while True:
+                    now = trio.current_time()
+                    if now - moved >= step:
+                        silence.deadline, moved = now + timeout, now
+                    piece = await response.read()
+                    if not piece:
+                        break
+                    out = scrub.feed(piece)
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                        sent.inc(len(out))
+            if silence.cancelled_caught:
+                raise upstream.UpstreamError(f"it sent nothing for {timeout:g}s", started=True)
             tail = scrub.flush()
         except upstream.UpstreamError as exc:
             log.warning("the member on %s failed mid-stream: %s", self.node, exc)
@@ -95,6 +108,7 @@ class Router:
                  transport: httpx.AsyncBaseTransport | None = None, timeout: float = 300.0,
                  metrics: ServeMetrics | None = None) -> None:
         self.d = desired
+        self.timeout = timeout  # a worker silent this long (before or during its answer) is given up on
         self.metrics = metrics or ServeMetrics()
         self.view = view
         self.keys = [k.encode() for k in api_keys or []]
@@ -168,14 +182,19 @@ class Router:
             self.outstanding[node] = self.outstanding.get(node, 0) + 1
             if stream:
                 try:
-                    upstream_response = await upstream.post(host, cluster.port, path, raw, self.pool)
+                    with trio.fail_after(self.timeout):
+                        upstream_response = await upstream.post(host, cluster.port, path, raw, self.pool)
+                except trio.TooSlowError:
+                    failure = f"no answer within {self.timeout:g}s"
                 except upstream.UpstreamError as exc:
-                    # Nothing reached the client yet: the next member may answer.
-                    self.outstanding[node] -= 1
-                    failures.append(f"{node}: {exc}")
-                    log.warning("cluster %s: the member on %s did not answer: %s", cluster.name, node, exc)
-                    continue
-                return RelayStream(self, upstream_response, self.scrubber(node, cluster.name), node)
+                    failure = str(exc)
+                else:
+                    return RelayStream(self, upstream_response, self.scrubber(node, cluster.name), node)
+                # Nothing reached the client yet: the next member may answer.
+                self.outstanding[node] -= 1
+                failures.append(f"{node}: {failure}")
+                log.warning("cluster %s: the member on %s did not answer: %s", cluster.name, node, failure)
+                continue
             try:
                 response = await self.http.post(f"http://{host}:{cluster.port}{path}", content=raw,
                                                 headers={"content-type": "application/json"})

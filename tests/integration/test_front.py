@@ -259,8 +259,8 @@ def test_a_port_in_use_is_a_plain_oserror() -> None:
 
 
 @asynccontextmanager
-async def relayed(worker: Callable[[trio.SocketStream], Awaitable[None]]) -> AsyncIterator[tuple[trio.SocketStream,
-                                                                                                   Any]]:
+async def relayed(worker: Callable[[trio.SocketStream], Awaitable[None]],
+                  timeout: float = 300.0) -> AsyncIterator[tuple[trio.SocketStream, Any]]:
     """The router behind the front, its one cluster served by `worker` (a raw stand-in on
     loopback whose node's home is /srv/home, holding /srv/home/store/models/abc); yields a client connection that has sent a
     streamed chat request, and the router."""
@@ -278,7 +278,7 @@ async def relayed(worker: Callable[[trio.SocketStream], Awaitable[None]]) -> Asy
                                   "inventory": {"disk": {"path": "/srv/home"}},
                                   "weights": [{"path": "/srv/home/store/models/abc"}]}},
                     online={"w": True})
-        router = Router(desired, view)
+        router = Router(desired, view, timeout=timeout)
         async with served(router.app()) as (port, _, _):
             client = await trio.open_tcp_stream(HOST, port)
             body = b'{"model": "chat", "stream": true}'
@@ -337,3 +337,29 @@ def test_each_event_reaches_the_client_whole_before_the_next_is_made() -> None:
                 while not got.endswith(b'data: {"model": "chat", "text": "a"}\n\n\r\n'):
                     got += await client.receive_some(65536)
     run(main)
+
+
+@pytest.mark.parametrize("stall", ["before-the-head", "mid-stream"])
+def test_a_worker_that_goes_silent_is_given_up_on(stall: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing waits forever: a member silent for the router's timeout ends the request, with a
+    503 naming it when nothing was sent yet, or an error event naming it mid-stream."""
+    async def worker(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)
+        if stall == "mid-stream":
+            await stream.send_all(SSE_HEAD + b"9\r\ndata: x\n\n\r\n")
+        await trio.sleep_forever()
+
+    async def main() -> bytes:
+        async with relayed(worker, timeout=0.3) as (client, _):
+            got = b""
+            with trio.fail_after(5):
+                while not got.endswith((b"0\r\n\r\n", b"}}")):  # a stream's end, or a JSON error's
+                    got += await client.receive_some(65536)
+            return got
+    got = run(main)
+    if stall == "mid-stream":
+        assert b"data: x" in got and b"member_failed_mid_stream" in got and b"sent nothing for 0.3s" in got
+        assert got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    else:
+        assert got.startswith(b"HTTP/1.1 502") and b"w: no answer within 0.3s" in got
+    assert "the member on w" in caplog.text
