@@ -27,7 +27,7 @@ import httptools
 import trio
 from starlette.types import ASGIApp, Message
 
-from . import sockio
+from .. import sockio
 
 log = logging.getLogger("fleet")
 

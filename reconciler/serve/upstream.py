@@ -14,7 +14,7 @@ import trio
 
 from agent.peerhttp import parse_head
 
-from . import sockio
+from .. import sockio
 
 READ = 64 * 1024
 MAX_HEAD = 64 * 1024

@@ -8,7 +8,8 @@ import functools
 import pytest
 import trio
 
-from reconciler.serve import sockio, upstream
+from reconciler import sockio
+from reconciler.serve import upstream
 from reconciler.serve.upstream import UpstreamError, UpstreamResponse
 
 EVENTS = [b"data: {\"a\": 1}\n\n", b"data: {\"b\": 22}\n\n", b"x" * 300, b"data: [DONE]\n\n"]
