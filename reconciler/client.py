@@ -22,10 +22,10 @@ from jsonschema import Draft202012Validator
 
 from agent.peerhttp import parse_head
 
+from . import sockio
 from .diagnostics import format_path
 from .model import NodeSpec
 from .schema import load_schema
-from . import sockio
 
 STATE_LIMIT = 64 << 20  # an agent's state larger than this is refused, not buffered
 
@@ -117,12 +117,14 @@ def _os_errors(exc: BaseException | None, seen: set[int] | None = None) -> list[
 def _cause(exc: BaseException) -> str:
     if isinstance(exc, httpx.TimeoutException):
         return f"timed out ({type(exc).__name__})"
-    for os_error in _os_errors(exc):
+    os_errors = _os_errors(exc)
+    for os_error in os_errors:
         if isinstance(os_error, socket.gaierror):
             return f"the address does not resolve ({os_error.strerror or os_error})"
         if os_error.errno in _ERRNO_CAUSES:
             return _ERRNO_CAUSES[os_error.errno]
-    return str(exc) or type(exc).__name__
+    # trio's BrokenResourceError says nothing itself: the TLS or socket error under it does.
+    return str(exc) or (str(os_errors[0]) if os_errors else type(exc).__name__)
 
 
 class AgentClient:

@@ -272,6 +272,13 @@ def test_tls_agent_and_client(tmp_path: Path) -> None:
                 return await client.state(node)
 
         assert trio.run(go)["identity"]["name"] == "tls"
+
+        async def untrusting() -> None:
+            async with AgentClient(SECRET) as client:  # the system's CAs do not know this certificate
+                await client.state(node)
+
+        with pytest.raises(NodeUnreachable, match="tls.*certificate verify failed"):
+            trio.run(untrusting)
         with pytest.raises(httpx.TransportError):  # plain HTTP to the TLS port gets no answer
             httpx.get(f"http://127.0.0.5:{a.port}/healthz", timeout=2)
     finally:
