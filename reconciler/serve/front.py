@@ -35,16 +35,15 @@ READ = 64 * 1024
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Limits:
     """Bounds on what one client may make the front hold or wait for."""
 
-    def __init__(self, *, max_head: int = 64 * 1024, max_body: int = 32 * 1024 * 1024, keep_alive: float = 60.0,
-                 read_timeout: float = 30.0, grace: float = 10.0) -> None:
-        self.max_head = max_head        # request line + headers
-        self.max_body = max_body        # a prompt larger than this is refused with 413
-        self.keep_alive = keep_alive    # an idle connection is closed after this long
-        self.read_timeout = read_timeout  # a started request must keep arriving (slow-loris bound)
-        self.grace = grace              # on shutdown, in-flight requests get this long to finish
+    max_head: int = 64 * 1024          # request line + headers (431 beyond)
+    max_body: int = 32 * 1024 * 1024   # a prompt larger than this is refused with 413
+    keep_alive: float = 60.0           # an idle connection is closed after this long
+    read_timeout: float = 30.0         # a head must be whole, and a body keep arriving, within this (408)
+    grace: float = 10.0                # on shutdown, requests in flight get this long to finish
 
 
 class Refused(Exception):
@@ -98,10 +97,6 @@ class Parser:
             raise Refused(400, f"malformed HTTP request: {exc}") from None
         if (self.current is None or not self.current.head_done) and self.head_bytes > self.limits.max_head:
             raise Refused(431, f"the request head is over {self.limits.max_head} bytes")
-
-    @property
-    def in_progress(self) -> bool:
-        return self.current is not None
 
     # httptools callbacks
 
