@@ -9,6 +9,7 @@ loop still yields (and can be cancelled) on every turn."""
 
 from __future__ import annotations
 
+import math
 import socket
 
 import trio
@@ -24,15 +25,17 @@ async def receive(sock: socket.socket, size: int) -> bytes:
             continue
 
 
-async def send(sock: socket.socket, data: bytes) -> None:
-    """Send all of `data`; waits only while the kernel's buffer is full. Raises OSError
-    (BrokenPipeError, ConnectionResetError) when the peer is gone."""
+async def send(sock: socket.socket, data: bytes, stall: float = math.inf) -> None:
+    """Send all of `data`; waits only while the kernel's buffer is full, and raises
+    trio.TooSlowError if it stays full for `stall` seconds. Raises OSError (BrokenPipeError,
+    ConnectionResetError) when the peer is gone."""
     view = memoryview(data)
     while view:
         try:
             sent = sock.send(view)
         except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
+            with trio.fail_after(stall):  # a scope only on this slow path
+                await trio.lowlevel.wait_writable(sock)
             continue
         view = view[sent:]
 

@@ -43,6 +43,7 @@ class Limits:
     max_body: int = 32 * 1024 * 1024   # a prompt larger than this is refused with 413
     keep_alive: float = 60.0           # an idle connection is closed after this long
     read_timeout: float = 30.0         # a head must be whole, and a body keep arriving, within this (408)
+    write_timeout: float = 60.0        # a client that takes no bytes for this long is dropped
     grace: float = 10.0                # on shutdown, requests in flight get this long to finish
 
 
@@ -351,7 +352,7 @@ class Exchange:
         if out:
             self.started = True
             try:
-                await sockio.send(self.sock, out)
-            except (OSError, trio.ClosedResourceError):
+                await sockio.send(self.sock, out, self.front.limits.write_timeout)
+            except (OSError, trio.ClosedResourceError, trio.TooSlowError):
                 self.gone = True
                 raise ClientGone() from None

@@ -363,3 +363,30 @@ def test_a_worker_that_goes_silent_is_given_up_on(stall: str, caplog: pytest.Log
     else:
         assert got.startswith(b"HTTP/1.1 502") and b"w: no answer within 0.3s" in got
     assert "the member on w" in caplog.text
+
+
+def test_a_client_that_stops_reading_is_dropped_after_write_timeout() -> None:
+    """A stream to a client that reads nothing fills the socket buffers; after write_timeout
+    the front gives up on it, and the app's send raises instead of waiting forever."""
+    outcome: list[str] = []
+
+    async def firehose(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        try:
+            while True:
+                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+        except Exception as exc:
+            outcome.append(type(exc).__name__)
+            raise
+
+    async def main() -> None:
+        async with served(firehose, Limits(write_timeout=0.3)) as (port, _, _):
+            stream = await trio.open_tcp_stream(HOST, port)
+            await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            with trio.fail_after(5):
+                while not outcome:
+                    await trio.sleep(0.05)
+            await stream.aclose()
+    run(main)
+    assert outcome == ["ClientGone"]
