@@ -1,9 +1,5 @@
-"""AgentClient: the control plane's side of the agent API, over httpx on trio. Every failure
-becomes one of our errors naming the node; each says whether retrying later can help.
-
-The state fetch, which the heartbeat makes of every node every beat and `fleet plan` of every
-node per plan, goes over a plain one-request connection instead (`_get`): through httpx it cost
-about 1 ms of CPU per node, most of the heartbeat's budget at a thousand nodes."""
+"""AgentClient: the control plane's side of the agent API, on trio. Every failure becomes one of
+our errors naming the node; each says whether retrying later can help."""
 
 from __future__ import annotations
 
@@ -27,7 +23,7 @@ from .diagnostics import format_path
 from .model import NodeSpec
 from .schema import load_schema
 
-STATE_LIMIT = 64 << 20  # an agent's state larger than this is refused, not buffered
+ANSWER_LIMIT = 64 << 20  # an agent's answer larger than this is refused, not buffered
 
 
 class AgentError(Exception):
@@ -128,20 +124,24 @@ def _cause(exc: BaseException) -> str:
 
 
 class AgentClient:
-    """One client for all nodes. The transport is injectable (httpx.ASGITransport for in-process tests)."""
+    """One client for all nodes. Each call is one request on a connection of its own, closed after
+    the answer: an agent is asked rarely enough (a heartbeat every 30 s, a plan, an apply's few
+    calls per action) that a kept connection would be closed by the agent in between, and through
+    httpx each call cost about 1 ms of CPU, most of the heartbeat's budget at a thousand nodes.
+    An injected httpx transport (httpx.ASGITransport or MockTransport, for in-process tests) takes
+    the same calls instead; both paths give the same errors."""
 
     def __init__(self, secret: str, *, timeout: float = 10.0, transport: httpx.AsyncBaseTransport | None = None,
-                 ca_file: str | None = None, max_connections: int = 100, keepalive: int = 0) -> None:
+                 ca_file: str | None = None) -> None:
         # ca_file: trust agents' certificates signed by this CA (or self-signed ones given directly).
-        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
-        self._secret, self._timeout, self._transport = secret, timeout, transport
-        self._ssl = verify if isinstance(verify, ssl.SSLContext) else ssl.create_default_context()
-        self._http = httpx.AsyncClient(
-            headers={"Authorization": f"Bearer {secret}"}, timeout=timeout, transport=transport, verify=verify,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=keepalive))
+        self._secret, self._timeout = secret, timeout
+        self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else ssl.create_default_context()
+        self._http = (httpx.AsyncClient(headers={"Authorization": f"Bearer {secret}"}, timeout=timeout,
+                                        transport=transport) if transport is not None else None)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.aclose()
 
     async def __aenter__(self) -> AgentClient:
         return self
@@ -150,16 +150,23 @@ class AgentClient:
         await self.aclose()
 
     async def request(self, node: NodeSpec, method: str, path: str, *, raw: bool = False, ok404: bool = False,
-                      **kwargs: Any) -> Any:
-        try:
-            response = await self._http.request(method, node.agent_url + path, **kwargs)
-        except httpx.TransportError as exc:
-            raise NodeUnreachable(node, _cause(exc)) from None
-        return _answer(node, response.status_code, response.content, raw=raw, ok404=ok404)
+                      json_body: Any = None) -> Any:
+        if self._http is not None:
+            try:
+                response = await self._http.request(method, node.agent_url + path, json=json_body)
+            except httpx.TransportError as exc:
+                raise NodeUnreachable(node, _cause(exc)) from None
+            return _answer(node, response.status_code, response.content, raw=raw, ok404=ok404)
+        body = json.dumps(json_body).encode() if json_body is not None else None
+        status, content = await self._exchange(node, method, path, body)
+        return _answer(node, status, content, raw=raw, ok404=ok404)
 
-    async def _get(self, node: NodeSpec, path: str) -> Any:
-        """GET over a connection of its own (closed after the answer), for the calls made of every
-        node often. Failures map to the same errors as `request`."""
+    async def _exchange(self, node: NodeSpec, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
+        host = f"[{node.address}]" if ":" in node.address else node.address
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {host}:{node.agent_port}\r\n"
+                f"Authorization: Bearer {self._secret}\r\nConnection: close\r\n")
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
         try:
             with trio.fail_after(self._timeout):
                 sock = await sockio.connect(node.address, node.agent_port)
@@ -168,22 +175,17 @@ class AgentClient:
                     if node.tls:
                         stream = trio.SSLStream(stream, self._ssl, server_hostname=node.address,
                                                 https_compatible=True)
-                    host = f"[{node.address}]" if ":" in node.address else node.address
-                    await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: {host}:{node.agent_port}\r\n"
-                                          f"Authorization: Bearer {self._secret}\r\nConnection: close\r\n\r\n"
-                                          .encode())
-                    status, body = await _read_answer(node, stream)
+                    await stream.send_all(head.encode() + b"\r\n" + (body or b""))
+                    return await _read_answer(node, stream)
                 finally:
                     await trio.aclose_forcefully(stream)
         except trio.TooSlowError:
             raise NodeUnreachable(node, f"timed out (no answer within {self._timeout:g}s)") from None
         except (OSError, trio.BrokenResourceError) as exc:
             raise NodeUnreachable(node, _cause(exc)) from None
-        return _answer(node, status, body)
 
     async def state(self, node: NodeSpec) -> dict[str, Any]:
-        # An injected transport (in-process tests) keeps the one httpx path.
-        data = await (self.request(node, "GET", "/v1/state") if self._transport else self._get(node, "/v1/state"))
+        data = await self.request(node, "GET", "/v1/state")
         try:
             _state_check()(data)
             return data  # type: ignore[no-any-return]
@@ -209,13 +211,13 @@ class AgentClient:
         return await self.request(node, "GET", f"/v1/weights/{digest}", ok404=True)  # type: ignore[no-any-return]
 
     async def fetch(self, node: NodeSpec, digest: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.request(node, "PUT", f"/v1/weights/{digest}", json=body)  # type: ignore[no-any-return]
+        return await self.request(node, "PUT", f"/v1/weights/{digest}", json_body=body)  # type: ignore[no-any-return]
 
     async def delete_weights(self, node: NodeSpec, digest: str) -> None:
         await self.request(node, "DELETE", f"/v1/weights/{digest}", ok404=True)
 
     async def start_server(self, node: NodeSpec, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.request(node, "POST", "/v1/servers", json=body)  # type: ignore[no-any-return]
+        return await self.request(node, "POST", "/v1/servers", json_body=body)  # type: ignore[no-any-return]
 
     async def server(self, node: NodeSpec, sid: str) -> dict[str, Any] | None:
         return await self.request(node, "GET", f"/v1/servers/{sid}", ok404=True)  # type: ignore[no-any-return]
@@ -258,15 +260,15 @@ async def _read_answer(node: NodeSpec, stream: trio.abc.Stream) -> tuple[int, by
     if length is not None and not length.isdigit():
         raise AgentProtocolError(node, f"a malformed Content-Length {length[:20]!r}")
     want = int(length) if length is not None else None  # None: the body ends with the connection
-    if (want or 0) > STATE_LIMIT:
-        raise AgentProtocolError(node, f"an answer over {STATE_LIMIT >> 20} MiB")
+    if (want or 0) > ANSWER_LIMIT:
+        raise AgentProtocolError(node, f"an answer over {ANSWER_LIMIT >> 20} MiB")
     while want is None or len(body) < want:
         more = await stream.receive_some(65536)
         if not more:
             break
         body += more
-        if len(body) > STATE_LIMIT:
-            raise AgentProtocolError(node, f"an answer over {STATE_LIMIT >> 20} MiB")
+        if len(body) > ANSWER_LIMIT:
+            raise AgentProtocolError(node, f"an answer over {ANSWER_LIMIT >> 20} MiB")
     if want is not None and len(body) < want:
         raise NodeUnreachable(node, f"the connection closed after {len(body)} of {want} bytes")
     return status, body if want is None else body[:want]
