@@ -256,6 +256,9 @@ async def _read_answer(node: NodeSpec, stream: trio.abc.Stream) -> tuple[int, by
     if parsed is None:
         raise AgentProtocolError(node, "a malformed HTTP status line")
     status, headers = parsed
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        # fleet-agent always sends a length; something else answered in its place.
+        raise AgentProtocolError(node, "a chunked answer, which fleet-agent never sends (is a proxy in between?)")
     length = headers.get("content-length")
     if length is not None and not length.isdigit():
         raise AgentProtocolError(node, f"a malformed Content-Length {length[:20]!r}")

@@ -76,7 +76,9 @@ def test_a_body_without_length_ends_with_the_connection() -> None:
     (answer("200 OK", b"{}", "content-length: 12x\r\n"), AgentProtocolError, "malformed Content-Length"),
     (answer("200 OK", b'{"a": 1', "content-length: 100\r\n"), NodeUnreachable, "closed after 7 of 100 bytes"),
     (b"", NodeUnreachable, "closed before an answer"),
-], ids=["401", "500", "not-json", "bad-status-line", "bad-length", "truncated", "no-answer"])
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", AgentProtocolError,
+     "a chunked answer"),
+], ids=["401", "500", "not-json", "bad-status-line", "bad-length", "truncated", "no-answer", "chunked"])
 def test_bad_answers_are_errors_naming_the_node(raw: bytes, kind: type[Exception], words: str) -> None:
     error, _ = fetch(raw)
     assert isinstance(error, kind) and words in str(error) and "'gpu-a'" in str(error)
