@@ -138,6 +138,7 @@ def parse(text: str, filename: str) -> tuple[Document | None, list[Diagnostic]]:
                              range=SourceRange(filename, Pos(1, 1), Pos(1, 1)))]
     builder = _Builder(loader, filename)
     try:
+        _check_expansion(root)
         data = builder.build(root, ())
     except _TooComplex as exc:
         return None, [error("yaml_too_complex", str(exc),
@@ -174,6 +175,32 @@ class _TooComplex(Exception):
     def __init__(self, message: str, pos: Pos) -> None:
         super().__init__(message)
         self.pos = pos
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a tree whose aliases would expand it past MAX_NODES values or MAX_DEPTH levels,
+    before building anything: each distinct node is sized once (an alias is the same node
+    object as its anchor), so a billion-laughs file is refused at the cost of its own size."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node, depth: int) -> int:
+        if depth > MAX_DEPTH:
+            raise _TooComplex(f"the YAML nests deeper than {MAX_DEPTH} levels (a recursive alias?)",
+                              _pos(node.start_mark))
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(size(child, depth + 1) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(size(k, depth + 1) + size(v, depth + 1) for k, v in node.value)
+        if total > MAX_NODES:
+            raise _TooComplex(f"the YAML expands to more than {MAX_NODES:,} values", _pos(node.start_mark))
+        sizes[id(node)] = total
+        return total
+
+    size(root, 0)
 
 
 class _Builder:
