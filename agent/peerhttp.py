@@ -128,14 +128,7 @@ async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | byte
                 # abandon_on_cancel: a shutting-down agent does not wait for the transfer to end.
                 got += await trio.to_thread.run_sync(_blocking_receive, stream.socket.fileno(), length - got,
                                                      on_data, abandon_on_cancel=True)
-            elif isinstance(stream, trio.SocketStream):
-                while got < length:
-                    chunk = await stream.receive_some(min(RECV, length - got))
-                    if not chunk:
-                        break
-                    on_data(chunk)
-                    got += len(chunk)
-            else:
+            else:  # small bodies, and everything over TLS
                 while got < length:
                     chunk = await stream.receive_some(min(RECV, length - got))
                     if not chunk:
