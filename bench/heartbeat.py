@@ -19,14 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx  # noqa: E402
 import trio  # noqa: E402
 
 from reconciler.client import AgentClient  # noqa: E402
 from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec  # noqa: E402
 from reconciler.serve.heartbeat import Heartbeat  # noqa: E402
 from reconciler.store import Store  # noqa: E402
-from tests.agents import SECRET, agent_env, free_port  # noqa: E402
+from tests.agents import SECRET, agent_env, free_port, wait_healthy  # noqa: E402
 from tests.conftest import fleet_bin  # noqa: E402
 
 DIGEST = "sha256:" + "ab" * 32
@@ -51,12 +50,7 @@ def main() -> None:
             assert sim.stdout is not None
             sim.stdout.readline()
             first = ipaddress.IPv4Address(FIRST)
-            for _ in range(600):
-                try:
-                    httpx.get(f"http://{first + n - 1}:{port}/healthz", timeout=1).raise_for_status()
-                    break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
+            wait_healthy(f"http://{first + n - 1}:{port}")
             nodes = {f"n{i}": NodeSpec(f"n{i}", str(first + i), port) for i in range(n)}
             clusters = {f"c{k}": ClusterSpec(f"c{k}", "m", tuple(f"n{i}" for i in range(k * 10, min(n, k * 10 + 10))),
                                              9000) for k in range((n + 9) // 10)}

@@ -22,9 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx  # noqa: E402
 
-from tests.agents import agent_env, free_port  # noqa: E402
+from tests.agents import agent_env, free_port, wait_healthy  # noqa: E402
 from tests.conftest import fleet_bin  # noqa: E402
 
 DIGEST = "sha256:" + "ab" * 32
@@ -63,13 +62,7 @@ def with_agents(base: Path, n: int, fn):  # type: ignore[no-untyped-def]
     try:
         assert sim.stdout is not None
         sim.stdout.readline()
-        last = ipaddress.IPv4Address(FIRST) + (n - 1)
-        for _ in range(600):
-            try:
-                httpx.get(f"http://{last}:{port}/healthz", timeout=1).raise_for_status()
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(f"http://{ipaddress.IPv4Address(FIRST) + (n - 1)}:{port}")
         fleet_file(base / f"fleet{n}.yaml", n, port)
         return fn(base / f"fleet{n}.yaml")
     finally:

@@ -20,6 +20,19 @@ __all__ = ["SECRET", "Agent", "agent_env", "enroll", "free_port"]
 SECRET = "test-cluster-secret-0123456789"
 
 
+def wait_healthy(url: str, timeout: float = 60) -> None:
+    """Wait until GET url/healthz answers 2xx (an agent, or the last of a simulated fleet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            httpx.get(url + "/healthz", timeout=1).raise_for_status()
+            return
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer /healthz within {timeout:g}s") from None
+            time.sleep(0.1)
+
+
 def agent_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "FLEET_CLUSTER_SECRET": SECRET}
     env.update(extra)
