@@ -33,6 +33,9 @@ log = logging.getLogger("fleet")
 
 READ = 64 * 1024
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+# The stable code in the JSON error of each refusal (clients and alerts match on it, not the text).
+CODES = {400: "bad_request", 408: "request_timeout", 413: "body_too_large", 431: "head_too_large",
+         500: "internal_error"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -236,8 +239,8 @@ class Front:
 
 async def refuse(sock: socket.socket, status: int, message: str) -> None:
     """Answer with a JSON error and `connection: close` (the caller closes)."""
-    body = json.dumps({"error": {"message": message, "type": "fleet_error",
-                                 "code": "bad_request" if status < 500 else "internal_error"}}).encode()
+    code = CODES.get(status, "bad_request" if status < 500 else "internal_error")
+    body = json.dumps({"error": {"message": message, "type": "fleet_error", "code": code}}).encode()
     try:
         await sockio.send(sock, b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                                 b"connection: close\r\n\r\n%s" % (status, REASONS.get(status, b""), len(body), body))

@@ -135,6 +135,7 @@ def test_bad_requests_get_a_json_error_and_the_connection_closes(request_bytes: 
         async with served(echo, Limits(max_body=1000, max_head=2048)) as (port, _, _):
             got_status, error = error_of(await exchange(port, request_bytes))
             assert got_status == status and words in error["message"] and error["type"] == "fleet_error"
+            assert error["code"] == {400: "bad_request", 413: "body_too_large", 431: "head_too_large"}[status]
     run(main)
 
 
@@ -194,7 +195,7 @@ def test_slow_and_idle_clients_are_cut_off() -> None:
         async with served(echo, Limits(read_timeout=0.3, keep_alive=0.3)) as (port, _, _):
             with trio.fail_after(3):  # half a request, then silence: 408 after read_timeout
                 status, error = error_of(await exchange(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Len"))
-                assert status == 408 and "within 0.3s" in error["message"]
+                assert status == 408 and "within 0.3s" in error["message"] and error["code"] == "request_timeout"
             with trio.fail_after(3):  # a kept-alive connection with nothing more to ask: closed after keep_alive
                 got = await exchange(port, b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
                 assert got.startswith(b"HTTP/1.1 200 OK")
@@ -262,8 +263,8 @@ def test_a_port_in_use_is_a_plain_oserror() -> None:
 async def relayed(worker: Callable[[trio.SocketStream], Awaitable[None]],
                   timeout: float = 300.0) -> AsyncIterator[tuple[trio.SocketStream, Any]]:
     """The router behind the front, its one cluster served by `worker` (a raw stand-in on
-    loopback whose node's home is /srv/home, holding /srv/home/store/models/abc); yields a client connection that has sent a
-    streamed chat request, and the router."""
+    loopback whose node's home is /srv/home, holding /srv/home/store/models/abc); yields a
+    client connection that has sent a streamed chat request, and the router."""
     from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
     from reconciler.serve.heartbeat import View
     from reconciler.serve.router import Router
