@@ -1,1 +1,16 @@
-"""Server backends: how each engine is launched (llama.cpp for GGUF, PyTorch for safetensors)."""
+"""Server backends: one launch spec per engine (llama.cpp for GGUF, PyTorch for safetensors), and
+the registry that picks one by name or by the format a model is stored in."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ..launch import LaunchSpec
+from . import llama_cpp, torch
+
+BACKENDS: Mapping[str, LaunchSpec] = {spec.name: spec for spec in (llama_cpp.SPEC, torch.SPEC)}
+
+
+def for_format(fmt: str, specs: Mapping[str, LaunchSpec] = BACKENDS) -> LaunchSpec | None:
+    """The backend of `specs` serving models stored in `fmt`, or None when none does."""
+    return next((spec for spec in specs.values() if spec.format == fmt), None)

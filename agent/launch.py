@@ -1,0 +1,166 @@
+"""How a worker process comes to be: the Launcher seam (is the engine installed, is the port free,
+start a command, wait on it, signal it, does it answer), the production launcher over
+subprocess.Popen, and the shape of an engine's launch spec (the specs live in agent/backends/)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import httpx
+import trio
+
+HEALTH_TIMEOUT_S = 2.0
+
+# (digest, what it is for people: "model", "draft model") -> the path an engine loads. Raises the
+# agent's refusal when the model is not held whole; a spec lets that propagate.
+ModelPath = Callable[[str, str], str]
+
+
+class BadSettings(ValueError):
+    """Settings a launch spec cannot turn into a command line; the agent answers 400 bad_request."""
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """What to run for one server, and how its speculative settings were applied (None: none asked)."""
+
+    argv: tuple[str, ...]
+    speculative: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """One engine: the format it serves, the modules it needs (and the extra installing them), the
+    path that answers 200 once it is ready, and how settings become its command line."""
+
+    name: str
+    format: str
+    modules: tuple[str, ...]
+    extra: str
+    health: str
+    command: Callable[[str, str, int, dict[str, Any], ModelPath], Command]  # (path, host, port, settings, paths)
+
+
+class Process(Protocol):
+    """A started worker, as the supervisor sees it."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None:
+        """The exit status once it has exited (negative: killed by that signal), else None."""
+
+    async def wait(self) -> int:
+        """Wait for the exit without blocking the event loop; the exit status."""
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class Launcher(Protocol):
+    """Everything the agent's workers ask of the host or do to its processes goes through here."""
+
+    def missing(self, modules: Sequence[str]) -> list[str]:
+        """The modules of `modules` this host cannot import (the engine is not installed)."""
+
+    def port_problem(self, host: str, port: int) -> str | None:
+        """Why a server could not listen on host:port ("in use", ...), or None when it could."""
+
+    def launch(self, argv: Sequence[str], log: Path) -> Process:
+        """Start argv with stdout and stderr appended to `log`; OSError if it cannot be started."""
+
+    async def answers(self, url: str) -> bool:
+        """Whether a GET of url answers 200 now (False when nothing listens yet)."""
+
+
+def _die_with_parent() -> None:
+    # Linux: the worker gets SIGKILL when the agent dies, even by SIGKILL: no orphans.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class PopenProcess:
+    """A child started by ProcessLauncher."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    async def wait(self) -> int:
+        """On the child's pidfd where Linux has one, else by polling."""
+        try:
+            fd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):
+            while self.proc.poll() is None:
+                await trio.sleep(0.1)
+            return self.proc.returncode
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            os.close(fd)
+        return self.proc.wait()
+
+    def send_signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+class ProcessLauncher:
+    """The production launcher: real processes that die with the agent, health asked over HTTP."""
+
+    def __init__(self) -> None:
+        self._client: httpx.AsyncClient | None = None
+
+    def missing(self, modules: Sequence[str]) -> list[str]:
+        return [m for m in modules if importlib.util.find_spec(m) is None]
+
+    def port_problem(self, host: str, port: int) -> str | None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the engines do: TIME_WAIT is no problem
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                return "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        return None
+
+    def launch(self, argv: Sequence[str], log: Path) -> PopenProcess:
+        with open(log, "ab") as out:
+            # Call this from the event loop's own thread, on purpose: PR_SET_PDEATHSIG fires when the
+            # *thread* that forked the child exits, and trio's open_process forks from a worker
+            # thread that idles out after a few seconds, killing healthy servers.
+            proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return PopenProcess(proc)
+
+    async def answers(self, url: str) -> bool:
+        if self._client is None:
+            # One client for every probe: making one costs ~90 ms of CPU (it loads the CA bundle),
+            # and a probe runs every 0.25 s while a server starts. No pooled connections, so the
+            # client holds nothing tied to one event loop or one worker's lifetime.
+            self._client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S,
+                                             limits=httpx.Limits(max_keepalive_connections=0))
+        try:
+            return (await self._client.get(url)).status_code == 200
+        except httpx.TransportError:
+            return False

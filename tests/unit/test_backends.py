@@ -1,0 +1,72 @@
+"""Launch specs: settings in, the engine's command line and the speculative outcome out."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+from agent.backends import BACKENDS, for_format
+from agent.launch import BadSettings
+
+PY = sys.executable
+MODEL, HOST, PORT = "/s/models/m", "10.0.0.2", 9000
+DRAFT = "sha256:" + "d" * 64
+
+
+def paths(digest: str, what: str) -> str:
+    assert what == "draft model"
+    return f"/s/models/{digest[7:15]}"
+
+
+CASES: list[tuple[str, str, dict[str, Any], list[str], dict[str, Any] | None]] = [
+    ("llama-plain", "llama_cpp", {},
+     [PY, "-m", "llama_cpp.server", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
+    ("llama-all-settings", "llama_cpp", {"context_length": 4096, "threads": 8, "batch_size": 256, "tensor_parallel": 2},
+     [PY, "-m", "llama_cpp.server", "--model", MODEL, "--host", HOST, "--port", "9000", "--n_ctx", "4096",
+      "--n_threads", "8", "--n_batch", "256", "--n_gpu_layers", "-1"], None),
+    ("llama-tensor-parallel-zero-stays-on-cpu", "llama_cpp", {"tensor_parallel": 0},
+     [PY, "-m", "llama_cpp.server", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
+    ("llama-prompt-lookup", "llama_cpp", {"speculative": {"mode": "prompt_lookup", "tokens": 3}},
+     [PY, "-m", "llama_cpp.server", "--model", MODEL, "--host", HOST, "--port", "9000", "--draft_model",
+      "prompt-lookup-decoding", "--draft_model_num_pred_tokens", "3"],
+     {"mode": "prompt_lookup", "tokens": 3, "applied": True, "how": "llama.cpp prompt-lookup decoding"}),
+    ("llama-draft-recorded-not-used", "llama_cpp", {"speculative": {"mode": "draft", "draft_digest": DRAFT}},
+     [PY, "-m", "llama_cpp.server", "--model", MODEL, "--host", HOST, "--port", "9000"],
+     {"mode": "draft", "draft_digest": DRAFT, "applied": False,
+      "how": "llama-cpp-python's server drafts only by prompt lookup; a separate draft model is recorded but not used"}),
+    ("torch-plain", "torch", {},
+     [PY, "-m", "agent.backends.torch_worker", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
+    ("torch-context-threads-ignores-batch", "torch", {"context_length": 512, "threads": 2, "batch_size": 64},
+     [PY, "-m", "agent.backends.torch_worker", "--model", MODEL, "--host", HOST, "--port", "9000",
+      "--context-length", "512", "--threads", "2"], None),
+    ("torch-prompt-lookup-default-tokens", "torch", {"speculative": {"mode": "prompt_lookup"}},
+     [PY, "-m", "agent.backends.torch_worker", "--model", MODEL, "--host", HOST, "--port", "9000",
+      "--prompt-lookup", "10"],
+     {"mode": "prompt_lookup", "applied": True, "how": "transformers prompt-lookup decoding"}),
+    ("torch-draft", "torch", {"speculative": {"mode": "draft", "draft_digest": DRAFT}},
+     [PY, "-m", "agent.backends.torch_worker", "--model", MODEL, "--host", HOST, "--port", "9000",
+      "--draft", "/s/models/dddddddd"],
+     {"mode": "draft", "draft_digest": DRAFT, "applied": True, "how": "transformers assisted generation"}),
+]
+
+
+@pytest.mark.parametrize("backend, settings, argv, speculative", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_settings_become_the_engines_command_line(backend: str, settings: dict[str, Any], argv: list[str],
+                                                  speculative: dict[str, Any] | None) -> None:
+    command = BACKENDS[backend].command(MODEL, HOST, PORT, settings, paths)
+    assert list(command.argv) == argv
+    assert command.speculative == speculative
+
+
+def test_a_draft_without_its_digest_is_bad_settings() -> None:
+    with pytest.raises(BadSettings, match="draft_digest"):
+        BACKENDS["torch"].command(MODEL, HOST, PORT, {"speculative": {"mode": "draft"}}, paths)
+
+
+def test_each_format_has_its_engine() -> None:
+    assert for_format("gguf") is BACKENDS["llama_cpp"]
+    assert for_format("safetensors") is BACKENDS["torch"]
+    assert for_format("onnx") is None
+    assert {spec.health for spec in BACKENDS.values()} == {"/v1/models", "/health"}
