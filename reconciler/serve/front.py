@@ -8,145 +8,92 @@ can. This front does what the router needs and no more: HTTP/1.1 with keep-alive
 parsed by httptools (llhttp, the parser uvicorn uses); the app called in the connection's own
 task; the response head held back until the first body bytes so that head and first chunk leave
 in one write; chunks framed without a per-chunk event object; `http.disconnect` delivered the
-moment the client goes away. No HTTP/2, websockets or lifespan: the router has none.
+moment the client goes away; TLS when fleet.yaml names a certificate. No HTTP/2, websockets or
+lifespan: the router has none.
+
+What a client can make it hold is bounded: one request being read, at most Limits.read_ahead
+bytes of the next while a response is in flight, and a number of connections derived from the
+process's descriptor limit (connection_cap), so that the heartbeat and the relay's own
+connections always find a descriptor.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
+import resource
 import socket
-from collections import deque
-from dataclasses import dataclass, field
-from http import HTTPStatus
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import unquote
 
-import httptools
 import trio
 from starlette.types import ASGIApp, Message
 
 from .. import sockio
+from .http1 import REASONS, SLICE, Limits, Parser, Refused, Request, error_response
+from .streams import ByteStream, PlainStream, ServerTls
+
+__all__ = ["Front", "Limits", "connection_cap", "raise_descriptor_limit"]
 
 log = logging.getLogger("fleet")
 
 READ = 64 * 1024
-REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
-# The stable code in the JSON error of each refusal (clients and alerts match on it, not the text).
-CODES = {400: "bad_request", 408: "request_timeout", 413: "body_too_large", 431: "head_too_large",
-         500: "internal_error"}
+# Descriptors kept out of the clients' reach. fleet serve's own: stdio, epoll, trio's wake-up
+# pair, the signal pipe, the state database and its journal, the log, the listeners (~32, 64
+# kept); the heartbeat's agent calls, one plain connection each, observe's concurrency (64); the
+# router's pooled idle connections to workers and httpx's keep-alive pool (100); busy refusals
+# still lingering (LINGER_MAX, 32).
+RESERVED_FDS = 64 + 64 + 100 + 32
+LINGER_MAX = 32
+LINGER_S = 1.0  # a refused client's bytes are read (and dropped) this long, so the 503 is not reset
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Limits:
-    """Bounds on what one client may make the front hold or wait for."""
-
-    max_head: int = 64 * 1024          # request line + headers (431 beyond)
-    max_body: int = 32 * 1024 * 1024   # a prompt larger than this is refused with 413
-    keep_alive: float = 60.0           # an idle connection is closed after this long
-    read_timeout: float = 30.0         # a head must be whole, and a body keep arriving, within this (408)
-    write_timeout: float = 60.0        # a client that takes no bytes for this long is dropped
-    grace: float = 10.0                # on shutdown, requests in flight get this long to finish
+def connection_cap(nofile: int | None = None) -> int:
+    """Client connections held at once, from the soft RLIMIT_NOFILE: what is left after the
+    reserve, halved, because every connection relaying a stream holds a second descriptor (its
+    connection to the worker). 1,024 (the usual default) gives 382; 65,536 (examples/systemd) 32,638."""
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        nofile = 1 << 20 if nofile == resource.RLIM_INFINITY else nofile
+    return max(16, (nofile - RESERVED_FDS) // 2)
 
 
-class Refused(Exception):
-    """The request cannot be served: answer `status` with `message`, then close."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+def raise_descriptor_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard one (systemd gives 1,024 soft, 524,288 hard, and
+    expects a service that needs more to raise it itself); returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 class ClientGone(Exception):
     """The client closed its side; nothing more can be sent."""
 
 
-@dataclass(slots=True)
-class Request:
-    method: bytes = b""
-    target: bytes = b""
-    version: str = "1.1"
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    body: list[bytes] = field(default_factory=list)
-    keep_alive: bool = True
-    head_done: bool = False
-    size: int = 0
-    continued: bool = False  # a "100 Continue" was sent, or not needed
-
-
-class Parser:
-    """httptools callbacks gathered into whole requests, in arrival order (pipelining)."""
-
-    def __init__(self, limits: Limits) -> None:
-        self.limits = limits
-        self.parser = httptools.HttpRequestParser(self)
-        self.ready: deque[Request] = deque()
-        self.current: Request | None = None
-        self.head_bytes = 0
-
-    def feed(self, data: bytes) -> None:
-        if self.current is None or not self.current.head_done:
-            self.head_bytes += len(data)  # an upper bound until the head is complete
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            raise Refused(400, "protocol upgrades are not served here") from None
-        except httptools.HttpParserCallbackError as exc:
-            why = exc.__cause__ or exc.__context__  # what our callback raised
-            if isinstance(why, Refused):
-                raise why from None
-            raise
-        except httptools.HttpParserError as exc:
-            raise Refused(400, f"malformed HTTP request: {exc}") from None
-        if (self.current is None or not self.current.head_done) and self.head_bytes > self.limits.max_head:
-            raise Refused(431, f"the request head is over {self.limits.max_head} bytes")
-
-    # httptools callbacks
-
-    def on_message_begin(self) -> None:
-        self.current = Request()
-
-    def on_url(self, url: bytes) -> None:
-        assert self.current is not None
-        self.current.target += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.current is not None
-        self.current.headers.append((name.lower(), value))
-
-    def on_headers_complete(self) -> None:
-        r = self.current
-        assert r is not None
-        r.head_done, self.head_bytes = True, 0
-        if len(r.target) + sum(len(k) + len(v) + 4 for k, v in r.headers) > self.limits.max_head:
-            raise Refused(431, f"the request head is over {self.limits.max_head} bytes")
-        r.method, r.version, r.keep_alive = self.parser.get_method(), self.parser.get_http_version(), \
-            self.parser.should_keep_alive()
-        length = next((v for k, v in r.headers if k == b"content-length"), None)
-        if length is not None and length.isdigit() and int(length) > self.limits.max_body:
-            raise Refused(413, f"the request body is over {self.limits.max_body} bytes")
-        r.continued = not any(k == b"expect" and v.lower() == b"100-continue" for k, v in r.headers)
-
-    def on_body(self, body: bytes) -> None:
-        r = self.current
-        assert r is not None
-        r.size += len(body)
-        if r.size > self.limits.max_body:
-            raise Refused(413, f"the request body is over {self.limits.max_body} bytes")
-        r.body.append(body)
-
-    def on_message_complete(self) -> None:
-        assert self.current is not None
-        self.ready.append(self.current)
-        self.current = None
-
-
 class Front:
-    def __init__(self, app: ASGIApp, limits: Limits | None = None) -> None:
+    """`on_drop(reason)` is told of every connection dropped to stay within the cap: "evicted"
+    (the one waiting longest for a request, closed to admit a new one) or "refused" (every
+    connection busy: 503 too_many_connections, or a plain close on a TLS port)."""
+
+    def __init__(self, app: ASGIApp, limits: Limits | None = None, *, tls: ServerTls | None = None,
+                 on_drop: Callable[[str], None] | None = None) -> None:
         self.app = app
         self.limits = limits or Limits()
-        self.idle: set[trio.CancelScope] = set()  # connections waiting for their next request
+        self.cap = self.limits.max_connections or connection_cap()
+        self.tls = tls
+        self.on_drop = on_drop or (lambda reason: None)
+        self.live = 0  # connections counted against the cap
+        # Connections waiting for a request (idle, or a request still arriving), the one waiting
+        # longest first: the first to go when a new connection needs a place.
+        self.waiting: dict[Connection, trio.CancelScope] = {}
+        self.lingering = 0
+        self.warned_at = -math.inf
         self.closing = False
 
     @staticmethod
@@ -167,8 +114,9 @@ class Front:
                 for listener in listeners:
                     sockio.close(listener)
                 self.closing = True
-                for scope in list(self.idle):
-                    scope.cancel()
+                for conn, scope in list(self.waiting.items()):
+                    if conn.idle:
+                        scope.cancel()
                 connections.cancel_scope.deadline = trio.current_time() + self.limits.grace
         finally:
             for listener in listeners:
@@ -182,94 +130,167 @@ class Front:
                 log.warning("accept failed: %s", exc)
                 await trio.sleep(0.1)
                 continue
+            if self.live >= self.cap and not self.evict():
+                self.refuse_busy(sock, connections)
+                continue
+            self.live += 1
             connections.start_soon(self.connection, sock)
 
-    async def connection(self, sock: socket.socket) -> None:
-        parser = Parser(self.limits)
+    def evict(self) -> bool:
+        """Close the connection waiting longest for a request to make room; False if none waits."""
+        if not self.waiting:
+            return False
+        conn = next(iter(self.waiting))
+        self.waiting.pop(conn).cancel()
+        conn.counted = False
+        self.live -= 1
+        self.on_drop("evicted")
+        return True
+
+    def refuse_busy(self, sock: socket.socket, connections: trio.Nursery) -> None:
+        self.on_drop("refused")
+        now = trio.current_time()
+        if now - self.warned_at > 10:
+            self.warned_at = now
+            log.warning("refusing connections: all %d allowed are busy (the cap follows RLIMIT_NOFILE; "
+                        "see LimitNOFILE in examples/systemd/fleet-serve.service)", self.cap)
+        if self.tls is not None or self.lingering >= LINGER_MAX:
+            sockio.close(sock)  # a 503 over TLS would cost a handshake first
+            return
+        connections.start_soon(self._refuse_busy, sock)
+
+    async def _refuse_busy(self, sock: socket.socket) -> None:
+        self.lingering += 1
         try:
-            while not self.closing:
-                request = await self._next_request(sock, parser)
+            with trio.move_on_after(LINGER_S):
+                await sockio.send(sock, error_response(
+                    503, f"fleet serve is at its limit of {self.cap} connections, all busy; retry shortly",
+                    "too_many_connections", b"retry-after: 1\r\n"))
+                sock.shutdown(socket.SHUT_WR)
+                # Take what the client sent: closing with unread bytes would reset the
+                # connection and could destroy the answer before it is read.
+                while await sockio.receive(sock, READ):
+                    pass
+        except OSError:
+            pass
+        finally:
+            self.lingering -= 1
+            sockio.close(sock)
+
+    async def connection(self, sock: socket.socket) -> None:
+        conn = Connection(self, self.tls.wrap(sock) if self.tls is not None else PlainStream(sock))
+        try:
+            await conn.run()
+        finally:
+            conn.stream.close()
+            self.waiting.pop(conn, None)
+            if conn.counted:
+                self.live -= 1
+
+
+class Connection:
+    """One client connection: its stream, its parser, and the bytes read ahead but not parsed."""
+
+    def __init__(self, front: Front, stream: ByteStream) -> None:
+        self.front, self.stream = front, stream
+        self.parser = Parser(front.limits)
+        self.pending = bytearray()  # read, not yet parsed: at most Limits.read_ahead while a response runs
+        self.counted = True  # against the front's cap (until evicted)
+
+    @property
+    def idle(self) -> bool:
+        return self.parser.current is None and not self.parser.ready and not self.pending
+
+    async def run(self) -> None:
+        limits = self.front.limits
+        try:
+            await self.stream.start(limits.read_timeout)
+            while not self.front.closing:
+                request = await self.next_request()
                 if request is None:
                     return
-                exchange = Exchange(self, sock, parser, request)
+                exchange = Exchange(self, request)
                 await exchange.run()
                 if not exchange.keep_alive:
                     return
         except Refused as exc:
-            await refuse(sock, exc.status, str(exc))
+            await self.refuse(exc.status, str(exc), exc.code)
         except trio.TooSlowError:
-            await refuse(sock, 408, f"the request did not arrive within {self.limits.read_timeout:g}s")
+            await self.refuse(408, f"the request did not arrive within {limits.read_timeout:g}s", "request_timeout")
         except (OSError, trio.ClosedResourceError, ClientGone):
             return
-        finally:
-            sockio.close(sock)
 
-    async def _next_request(self, sock: socket.socket, parser: Parser) -> Request | None:
+    async def next_request(self) -> Request | None:
+        """The next whole request; None when the client closes, stays idle past keep_alive, or
+        the connection is closed to make room (evicted) or for shutdown."""
+        parser, limits = self.parser, self.front.limits
         head_deadline = math.inf
-        while not parser.ready:
-            current = parser.current
-            if current is not None:
-                # The head must be whole within read_timeout of its first byte (a client that
-                # sends a byte now and then cannot hold a connection forever); a body must keep
-                # arriving, a read at least every read_timeout.
-                if not current.head_done and head_deadline == math.inf:
-                    head_deadline = trio.current_time() + self.limits.read_timeout
-                deadline = head_deadline if not current.head_done else trio.current_time() + self.limits.read_timeout
-                with trio.fail_at(deadline):
-                    data = await sockio.receive(sock, READ)
-            else:
-                # Idle between requests: closed after keep_alive, or at once on shutdown.
-                with trio.move_on_after(self.limits.keep_alive) as idle:
-                    self.idle.add(idle)
-                    try:
-                        data = await sockio.receive(sock, READ)
-                    finally:
-                        self.idle.discard(idle)
-                if idle.cancelled_caught:
-                    return None
-            if not data:
-                return None
-            parser.feed(data)
-            current = parser.current
-            if current is not None and current.head_done and not current.continued:
-                current.continued = True
-                await sockio.send(sock, b"HTTP/1.1 100 Continue\r\n\r\n")
-        return parser.ready.popleft()
+        with trio.CancelScope() as waiting:
+            self.front.waiting[self] = waiting
+            try:
+                while True:
+                    parser.feed_some(self.pending)
+                    current = parser.current
+                    if current is not None and current.head_done and not current.continued:
+                        current.continued = True
+                        await self.stream.send(b"HTTP/1.1 100 Continue\r\n\r\n", limits.write_timeout)
+                    if parser.ready:
+                        return parser.ready.popleft()
+                    if current is not None:
+                        # The head must be whole within read_timeout of its first byte (a client
+                        # that sends a byte now and then cannot hold a connection forever); a body
+                        # must keep arriving, a read at least every read_timeout.
+                        if not current.head_done and head_deadline == math.inf:
+                            head_deadline = trio.current_time() + limits.read_timeout
+                        deadline = head_deadline if not current.head_done else trio.current_time() + limits.read_timeout
+                        with trio.fail_at(deadline):
+                            data = await self.stream.receive(READ)
+                    else:
+                        with trio.move_on_after(limits.keep_alive) as idle:
+                            data = await self.stream.receive(READ)
+                        if idle.cancelled_caught:
+                            return None
+                    if not data:
+                        return None
+                    if len(data) <= SLICE:
+                        parser.feed(data)  # the usual case: one request in one read, parsed as it is
+                    else:
+                        self.pending += data
+            finally:
+                self.front.waiting.pop(self, None)
+        return None
 
-
-async def refuse(sock: socket.socket, status: int, message: str) -> None:
-    """Answer with a JSON error and `connection: close` (the caller closes)."""
-    code = CODES.get(status, "bad_request" if status < 500 else "internal_error")
-    body = json.dumps({"error": {"message": message, "type": "fleet_error", "code": code}}).encode()
-    try:
-        await sockio.send(sock, b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                                b"connection: close\r\n\r\n%s" % (status, REASONS.get(status, b""), len(body), body))
-    except (OSError, trio.ClosedResourceError):
-        pass
+    async def refuse(self, status: int, message: str, code: str) -> None:
+        """Answer with a JSON error and `connection: close` (the caller closes)."""
+        try:
+            await self.stream.send(error_response(status, message, code), self.front.limits.write_timeout)
+        except (OSError, trio.ClosedResourceError, trio.TooSlowError):
+            pass
 
 
 class Exchange:
     """One request and its response: the ASGI scope, receive and send of a single call of the app."""
 
-    def __init__(self, front: Front, sock: socket.socket, parser: Parser, request: Request) -> None:
-        self.front, self.sock, self.parser, self.request = front, sock, parser, request
+    def __init__(self, conn: Connection, request: Request) -> None:
+        self.front, self.conn, self.stream, self.request = conn.front, conn, conn.stream, request
         self.keep_alive = request.keep_alive
         self.head: bytes | None = None
         self.started = False      # bytes of the response went out
         self.body_sent = False
         self.finished = False
         self.gone = False
+        self.ended: trio.Event | None = None  # made when a receive() has to wait for the end
         self.chunked = False
         self.no_body = request.method == b"HEAD"
 
     def scope(self) -> dict[str, Any]:
         path, _, query = self.request.target.partition(b"?")
+        client, server = self.stream.addresses()
         return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
                 "http_version": self.request.version, "method": self.request.method.decode("latin-1"),
-                "scheme": "http", "path": unquote(path.decode("latin-1")), "raw_path": path, "query_string": query,
-                "root_path": "", "headers": self.request.headers,
-                "client": tuple(self.sock.getpeername()[:2]), "server": tuple(self.sock.getsockname()[:2]),
-                "state": {}}
+                "scheme": self.stream.scheme, "path": unquote(path.decode("latin-1")), "raw_path": path,
+                "query_string": query, "root_path": "", "headers": self.request.headers,
+                "client": client, "server": server, "state": {}}
 
     async def run(self) -> None:
         try:
@@ -281,11 +302,11 @@ class Exchange:
                           self.request.target.decode("latin-1"))
             if not self.started:
                 self.keep_alive = False
-                await refuse(self.sock, 500, "internal error in fleet serve (see its log)")
+                await self.conn.refuse(500, "internal error in fleet serve (see its log)", "internal_error")
                 return
         if not self.started:
             self.keep_alive = False
-            await refuse(self.sock, 500, "fleet serve sent no response")
+            await self.conn.refuse(500, "fleet serve sent no response", "internal_error")
         elif not self.finished:
             raise ClientGone()  # a response cut short cannot be completed on this connection
 
@@ -294,19 +315,24 @@ class Exchange:
             self.body_sent = True
             return {"type": "http.request", "body": b"".join(self.request.body), "more_body": False}
         # After the body, receive() waits for the client to go away (ASGI apps use it to stop
-        # work nobody will read). Bytes of a pipelined next request are parsed and kept.
+        # work nobody will read). What the client sends meanwhile is kept unparsed, up to
+        # read_ahead bytes; then the socket is left alone until the response ends (TCP holds the
+        # client back), and a client that leaves is noticed by the next send instead.
+        conn, limit = self.conn, self.front.limits.read_ahead
         while not (self.gone or self.finished):
+            room = limit - len(conn.pending)
+            if room <= 0:
+                self.ended = self.ended or trio.Event()
+                await self.ended.wait()
+                break
             try:
-                data = await sockio.receive(self.sock, READ)
+                data = await self.stream.receive(min(READ, room))
             except (OSError, trio.ClosedResourceError):
                 data = b""
             if not data:
                 self.gone = True
                 break
-            try:
-                self.parser.feed(data)
-            except Refused:  # garbage after this request: finish nothing more on this connection
-                self.gone = True
+            conn.pending += data
         return {"type": "http.disconnect"}
 
     def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -355,7 +381,14 @@ class Exchange:
         if out:
             self.started = True
             try:
-                await sockio.send(self.sock, out, self.front.limits.write_timeout)
+                await self.stream.send(out, self.front.limits.write_timeout)
             except (OSError, trio.ClosedResourceError, trio.TooSlowError):
                 self.gone = True
+                self._ended()
                 raise ClientGone() from None
+        if self.finished:
+            self._ended()
+
+    def _ended(self) -> None:
+        if self.ended is not None:
+            self.ended.set()

@@ -266,6 +266,7 @@ async def relayed(worker: Callable[[trio.SocketStream], Awaitable[None]],
     loopback whose node's home is /srv/home, holding /srv/home/store/models/abc); yields a
     client connection that has sent a streamed chat request, and the router."""
     from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+    from reconciler.observed import node_from_state
     from reconciler.serve.heartbeat import View
     from reconciler.serve.router import Router
 
@@ -275,10 +276,10 @@ async def relayed(worker: Callable[[trio.SocketStream], Awaitable[None]],
         desired = Desired(1, ControlPlaneSpec("w"), {"w": NodeSpec("w", HOST)},
                           {"m": ModelSpec("m", "safetensors", digest, "w")}, (),
                           {"chat": ClusterSpec("chat", "m", ("w",), listeners[0].socket.getsockname()[1])})
-        view = View(states={"w": {"servers": [{"id": "chat@w", "state": "running", "model": digest}],
-                                  "inventory": {"disk": {"path": "/srv/home"}},
-                                  "weights": [{"path": "/srv/home/store/models/abc"}]}},
-                    online={"w": True})
+        state = {"servers": [{"id": "chat@w", "state": "running", "model": digest}],
+                 "inventory": {"disk": {"path": "/srv/home"}},
+                 "weights": [{"digest": digest, "path": "/srv/home/store/models/abc"}]}
+        view = View(nodes={"w": node_from_state("w", state)}, online={"w": True})
         router = Router(desired, view, timeout=timeout)
         async with served(router.app()) as (port, _, _):
             client = await trio.open_tcp_stream(HOST, port)
@@ -391,3 +392,137 @@ def test_a_client_that_stops_reading_is_dropped_after_write_timeout() -> None:
             await stream.aclose()
     run(main)
     assert outcome == ["ClientGone"]
+
+
+@pytest.mark.parametrize("head, status", [
+    (b"GET / HTTP/1.1\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+    (b"GET / HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nHost: a/b@c\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nHost: [::1]:8080\r\nConnection: close\r\n\r\n", 200),
+    (b"GET / HTTP/1.1\r\nHost: fleet.example:443\r\nConnection: close\r\n\r\n", 200),
+    (b"GET / HTTP/1.0\r\n\r\n", 200),
+], ids=["no-host-1.1", "two-hosts", "two-hosts-1.0", "host-not-a-host", "ipv6-literal", "name-and-port",
+        "no-host-1.0"])
+def test_host_header_per_rfc9112(head: bytes, status: int) -> None:
+    """RFC 9112 3.2: an HTTP/1.1 request without Host, any request with two, or a Host that is
+    not host[:port] gets 400 with the stable code invalid_host."""
+    async def main() -> None:
+        async with served(echo) as (port, _, _):
+            got = await exchange(port, head)
+            if status == 200:
+                assert got.startswith(b"HTTP/1.1 200 OK"), got
+            else:
+                got_status, error = error_of(got)
+                assert got_status == 400 and error["code"] == "invalid_host", error
+    run(main)
+
+
+def test_requests_pipelined_behind_a_running_stream_wait_and_are_all_answered_in_order() -> None:
+    """While a response is in flight the front reads only a bounded amount of what follows
+    (Limits.read_ahead), unparsed; everything is still answered, in order, once it ends."""
+    release = trio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        body = (await receive())["body"]
+        if scope["path"] == "/stream":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            await release.wait()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        out = b"%s:%d" % (scope["path"].encode(), len(body))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out})
+
+    big = b"x" * 200_000  # more than read_ahead: reading stops inside it until the stream ends
+    following = b"".join(b"POST /p%d HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc" % i for i in range(50))
+    following += b"POST /big HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big)
+    following += b"GET /last HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+    async def main() -> None:
+        async with served(app, Limits(read_ahead=4096)) as (port, _, _):
+            stream = await trio.open_tcp_stream(HOST, port)
+            await stream.send_all(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = b""
+            with trio.fail_after(5):
+                while b"first" not in got:
+                    got += await stream.receive_some(65536)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream.send_all, following)
+                await trio.sleep(0.3)
+                release.set()
+                with trio.fail_after(10):
+                    while chunk := await stream.receive_some(65536):
+                        got += chunk
+            await stream.aclose()
+        answers = [b"/p%d:3" % i for i in range(50)] + [b"/big:%d" % len(big), b"/last:0"]
+        positions = [got.index(a) for a in answers]
+        assert positions == sorted(positions) and got.count(b"HTTP/1.1 200 OK") == 53
+    run(main)
+
+
+def test_at_the_cap_the_connection_idle_longest_makes_room() -> None:
+    drops: list[str] = []
+
+    async def main() -> None:
+        front = Front(echo, Limits(max_connections=2), on_drop=drops.append)
+        listeners = front.listen(HOST, 0)
+        port = listeners[0].getsockname()[1]
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(front.serve, listeners, stop)
+            oldest = await trio.open_tcp_stream(HOST, port)
+            await trio.sleep(0.05)
+            younger = await trio.open_tcp_stream(HOST, port)
+            await trio.sleep(0.05)
+            got = await exchange(port, b"GET /new HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert got.startswith(b"HTTP/1.1 200 OK")
+            with trio.fail_after(3):
+                assert await oldest.receive_some(100) == b""  # closed to make room
+            await younger.send_all(b"GET /still HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            with trio.fail_after(3):
+                assert (await younger.receive_some(65536)).startswith(b"HTTP/1.1 200 OK")
+            stop.set()
+    run(main)
+    assert drops == ["evicted"]
+
+
+def test_at_the_cap_with_every_connection_busy_a_new_one_gets_503_and_is_closed() -> None:
+    drops: list[str] = []
+    release = trio.Event()
+
+    async def waits(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def main() -> None:
+        front = Front(waits, Limits(max_connections=2), on_drop=drops.append)
+        listeners = front.listen(HOST, 0)
+        port = listeners[0].getsockname()[1]
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(front.serve, listeners, stop)
+            busy = [await trio.open_tcp_stream(HOST, port) for _ in range(2)]
+            for stream in busy:
+                await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await trio.sleep(0.1)
+            status, error = error_of(await exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"))
+            assert status == 503 and error["code"] == "too_many_connections" and "limit of 2" in error["message"]
+            release.set()
+            for stream in busy:  # the requests in flight were not disturbed
+                with trio.fail_after(3):
+                    assert (await stream.receive_some(65536)).endswith(b"ok")
+            stop.set()
+    run(main)
+    assert drops == ["refused"]
+
+
+def test_the_connection_cap_follows_the_descriptor_limit() -> None:
+    from reconciler.serve.front import RESERVED_FDS, connection_cap
+
+    assert connection_cap(1024) == (1024 - RESERVED_FDS) // 2 and connection_cap(65536) > 32000
+    assert connection_cap(100) == 16  # never none at all

@@ -1,0 +1,159 @@
+"""The front's pure part: HTTP/1.1 requests parsed by httptools (llhttp) into whole requests, the
+limits one client is held to, and the bytes of every refusal. No sockets, no trio."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+import httptools
+
+REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+# The stable code in the JSON error of each refusal (clients and alerts match on it, not the
+# text) where the refusal does not name a more precise one.
+CODES = {400: "bad_request", 408: "request_timeout", 413: "body_too_large", 431: "head_too_large",
+         500: "internal_error", 503: "unavailable"}
+# RFC 9112 3.2 / RFC 3986 3.2.2: a Host is a reg-name, IPv4 or [IP-literal], and an optional port.
+HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.vV]+\]|[A-Za-z0-9\-._~!$&'()*+,;=%]*)(?::[0-9]*)?")
+# Bytes handed to the parser at a time when more than that was read at once: a read holding many
+# small pipelined requests is parsed only as far as the next request, so no more than a slice's
+# worth of requests is ever parsed ahead.
+SLICE = 4096
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """Bounds on what one client may make the front hold or wait for."""
+
+    max_head: int = 64 * 1024          # request line + headers (431 beyond)
+    max_body: int = 32 * 1024 * 1024   # a prompt larger than this is refused with 413
+    keep_alive: float = 60.0           # an idle connection is closed after this long
+    read_timeout: float = 30.0         # a head must be whole, and a body keep arriving, within this (408)
+    write_timeout: float = 60.0        # a client that takes no bytes for this long is dropped
+    grace: float = 10.0                # on shutdown, requests in flight get this long to finish
+    # While a response is in flight the client's socket is read only to notice it going away:
+    # at most this many bytes of what it sends next are kept (unparsed); beyond that it is not
+    # read until the response ends, and TCP makes the client wait.
+    read_ahead: int = 16 * 1024
+    max_connections: int | None = None  # None: derived from RLIMIT_NOFILE (front.connection_cap)
+
+
+class Refused(Exception):
+    """The request cannot be served: answer `status` with `message` (and `code`), then close."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code or CODES.get(status, "bad_request" if status < 500 else "internal_error")
+
+
+def error_response(status: int, message: str, code: str, extra: bytes = b"") -> bytes:
+    """A whole response: the OpenAI-shaped JSON error, `connection: close` (the caller closes)."""
+    body = json.dumps({"error": {"message": message, "type": "fleet_error", "code": code}}).encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%sconnection: close\r\n\r\n%s"
+            % (status, REASONS.get(status, b""), len(body), extra, body))
+
+
+@dataclass(slots=True)
+class Request:
+    method: bytes = b""
+    target: bytes = b""
+    version: str = "1.1"
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    body: list[bytes] = field(default_factory=list)
+    keep_alive: bool = True
+    head_done: bool = False
+    size: int = 0
+    continued: bool = False  # a "100 Continue" was sent, or not needed
+
+
+class Parser:
+    """httptools callbacks gathered into whole requests, in arrival order (pipelining)."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.parser = httptools.HttpRequestParser(self)
+        self.ready: deque[Request] = deque()
+        self.current: Request | None = None
+        self.head_bytes = 0
+
+    def feed(self, data: bytes) -> None:
+        if self.current is None or not self.current.head_done:
+            self.head_bytes += len(data)  # an upper bound until the head is complete
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            raise Refused(400, "protocol upgrades are not served here") from None
+        except httptools.HttpParserCallbackError as exc:
+            why = exc.__cause__ or exc.__context__  # what our callback raised
+            if isinstance(why, Refused):
+                raise why from None
+            raise
+        except httptools.HttpParserError as exc:
+            raise Refused(400, f"malformed HTTP request: {exc}") from None
+        if (self.current is None or not self.current.head_done) and self.head_bytes > self.limits.max_head:
+            raise Refused(431, f"the request head is over {self.limits.max_head} bytes")
+
+    def feed_some(self, pending: bytearray) -> None:
+        """Parse from the front of `pending` until a request is ready or `pending` is spent;
+        what is left stays there, unparsed."""
+        while pending and not self.ready:
+            piece = bytes(pending[:SLICE])
+            del pending[:SLICE]
+            self.feed(piece)
+
+    # httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self.current = Request()
+
+    def on_url(self, url: bytes) -> None:
+        assert self.current is not None
+        self.current.target += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.current is not None
+        self.current.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        r = self.current
+        assert r is not None
+        r.head_done, self.head_bytes = True, 0
+        if len(r.target) + sum(len(k) + len(v) + 4 for k, v in r.headers) > self.limits.max_head:
+            raise Refused(431, f"the request head is over {self.limits.max_head} bytes")
+        r.method, r.version, r.keep_alive = self.parser.get_method(), self.parser.get_http_version(), \
+            self.parser.should_keep_alive()
+        check_host(r)
+        length = next((v for k, v in r.headers if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.limits.max_body:
+            raise Refused(413, f"the request body is over {self.limits.max_body} bytes")
+        r.continued = not any(k == b"expect" and v.lower() == b"100-continue" for k, v in r.headers)
+
+    def on_body(self, body: bytes) -> None:
+        r = self.current
+        assert r is not None
+        r.size += len(body)
+        if r.size > self.limits.max_body:
+            raise Refused(413, f"the request body is over {self.limits.max_body} bytes")
+        r.body.append(body)
+
+    def on_message_complete(self) -> None:
+        assert self.current is not None
+        self.ready.append(self.current)
+        self.current = None
+
+
+def check_host(r: Request) -> None:
+    """RFC 9112 3.2: 400 for an HTTP/1.1 request without Host, for any request with more than
+    one, and for a Host that is not a host[:port]. (Two Hosts is how a request is made to mean
+    one thing to a proxy in front and another here.)"""
+    hosts = [v for k, v in r.headers if k == b"host"]
+    if len(hosts) > 1:
+        raise Refused(400, f"the request has {len(hosts)} Host headers (RFC 9112 3.2 allows one)", "invalid_host")
+    if not hosts and r.version == "1.1":
+        raise Refused(400, "an HTTP/1.1 request must have a Host header (RFC 9112 3.2)", "invalid_host")
+    if hosts and not HOST.fullmatch(hosts[0].strip()):
+        raise Refused(400, f"the Host header {hosts[0][:100].decode('latin-1')!r} is not a host[:port]", "invalid_host")

@@ -1,0 +1,129 @@
+"""The front's client connections as byte streams: plain sockets on fleet's own fast path, or TLS
+through trio.SSLStream with a certificate that SIGHUP can replace without a restart."""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import ssl
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from .. import sockio
+
+log = logging.getLogger("fleet")
+
+
+class ByteStream(Protocol):
+    scheme: str
+
+    async def start(self, timeout: float) -> None:
+        """Whatever must happen before the first request (the TLS handshake); OSError if it fails."""
+
+    async def receive(self, size: int) -> bytes:
+        """Up to `size` bytes; b"" once the client has closed (or broken) its side."""
+
+    async def send(self, data: bytes, stall: float = math.inf) -> None:
+        """All of `data`; OSError if the client is gone, trio.TooSlowError if it takes nothing for `stall` s."""
+
+    def addresses(self) -> tuple[tuple[str, int], tuple[str, int]]:
+        """(client, server) addresses."""
+
+    def close(self) -> None:
+        """Close now, waking any task waiting on the connection."""
+
+
+class PlainStream:
+    scheme = "http"
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    async def start(self, timeout: float) -> None:
+        pass
+
+    async def receive(self, size: int) -> bytes:
+        return await sockio.receive(self.sock, size)
+
+    async def send(self, data: bytes, stall: float = math.inf) -> None:
+        await sockio.send(self.sock, data, stall)
+
+    def addresses(self) -> tuple[tuple[str, int], tuple[str, int]]:
+        return tuple(self.sock.getpeername()[:2]), tuple(self.sock.getsockname()[:2])
+
+    def close(self) -> None:
+        sockio.close(self.sock)
+
+
+class TlsStream(PlainStream):
+    """trio.SSLStream over the accepted socket; its errors are mapped to the plain stream's (a
+    broken TLS stream is a client gone), so the front handles both alike."""
+
+    scheme = "https"
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext) -> None:
+        super().__init__(sock)
+        self.tls = trio.SSLStream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)), context,
+                                  server_side=True, https_compatible=True)
+
+    async def start(self, timeout: float) -> None:
+        try:
+            with trio.fail_after(timeout):
+                await self.tls.do_handshake()
+        except trio.TooSlowError:
+            raise TimeoutError(f"no TLS handshake within {timeout:g}s") from None
+        except trio.BrokenResourceError as exc:
+            raise ConnectionAbortedError(f"TLS handshake failed: {exc.__cause__ or exc}") from None
+
+    async def receive(self, size: int) -> bytes:
+        try:
+            data = await self.tls.receive_some(size)
+        except trio.BrokenResourceError:
+            return b""
+        return data if isinstance(data, bytes) else bytes(data)
+
+    async def send(self, data: bytes, stall: float = math.inf) -> None:
+        try:
+            with trio.fail_after(stall):
+                await self.tls.send_all(data)
+        except trio.BrokenResourceError as exc:
+            raise ConnectionResetError(str(exc.__cause__ or exc)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    cert: str  # PEM: the certificate, then any intermediates
+    key: str   # PEM: its private key
+
+
+class ServerTls:
+    """The server's TLS context, loaded from `files`; `reload` loads them again (on SIGHUP) and
+    keeps the old context if the new files do not load, so a bad renewal never takes the port
+    down. Connections already open keep the certificate they were started with."""
+
+    def __init__(self, files: TlsFiles) -> None:
+        self.files = files
+        self.context = self.load()  # OSError or ssl.SSLError: the caller refuses to start
+
+    def load(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.files.cert, self.files.key)
+        context.set_alpn_protocols(["http/1.1"])
+        return context
+
+    def reload(self) -> bool:
+        try:
+            self.context = self.load()
+        except (OSError, ssl.SSLError) as exc:
+            log.error("TLS: %s or %s did not load (%s); still serving the previous certificate",
+                      self.files.cert, self.files.key, exc)
+            return False
+        log.info("TLS: reloaded %s", self.files.cert)
+        return True
+
+    def wrap(self, sock: socket.socket) -> TlsStream:
+        return TlsStream(sock, self.context)
