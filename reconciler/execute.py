@@ -1,20 +1,39 @@
 """Run a plan: in dependency order, bounded parallelism; a failure skips what depends on it and
-lets the rest finish. Progress goes to an injected hook; time to an injected clock."""
+lets the rest finish. An agent error tagged retryable is retried a bounded number of times with
+backoff, and each result says how many retries it took. Progress goes to an injected hook; time
+to an injected clock and sleep."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 import trio
 
-from .client import AgentClient, AgentError
-from .model import Desired
+from .agent_errors import AgentError, AgentHTTPError
+from .model import Desired, NodeSpec
 from .plan import Action, Change, Plan
 
 POLL_S = 0.25
 STALL_S = 300.0  # a fetch that makes no progress for this long is failed (it can be resumed)
+STARTUP_GRACE_S = 30.0  # on top of a server's own startup_timeout_s
+RETRIES = 5  # consecutive retryable failures of one call before its action fails
+BACKOFF_S = 0.5  # the first wait before a retry; doubled each time, up to BACKOFF_MAX_S
+BACKOFF_MAX_S = 8.0
+
+T = TypeVar("T")
+
+
+class AgentCalls(Protocol):
+    """What the executor asks of an agent (AgentClient in production)."""
+
+    async def fetch(self, node: NodeSpec, digest: str, body: dict[str, Any]) -> dict[str, Any]: ...
+    async def weights(self, node: NodeSpec, digest: str) -> dict[str, Any] | None: ...
+    async def delete_weights(self, node: NodeSpec, digest: str) -> None: ...
+    async def start_server(self, node: NodeSpec, body: dict[str, Any]) -> dict[str, Any]: ...
+    async def server(self, node: NodeSpec, sid: str) -> dict[str, Any] | None: ...
+    async def stop_server(self, node: NodeSpec, sid: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,25 +43,44 @@ class Result:
     status: str  # done | failed | skipped
     message: str
     seconds: float
+    retries: int = 0  # agent calls retried after a retryable error
+    code: str | None = None  # the stable code of a failure
 
 
 class ActionFailed(Exception):
-    pass
+    """An action that cannot complete; `code` is stable (fetch_failed, server_failed, …)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
-ProgressHook = Callable[[str, dict[str, Any]], None]  # (event, data): started, progress, finished
+class _Tally:
+    """Retries counted for one action (mutable: the calls of one action add to it)."""
+
+    __slots__ = ("change", "retries")
+
+    def __init__(self, change: Change) -> None:
+        self.change, self.retries = change, 0
+
+
+ProgressHook = Callable[[str, dict[str, Any]], None]  # (event, data): started, progress, retry, finished
 
 
 class Executor:
-    def __init__(self, desired: Desired, client: AgentClient, *, parallelism: int = 10,
+    def __init__(self, desired: Desired, client: AgentCalls, *, parallelism: int = 10,
                  progress: ProgressHook | None = None, poll_s: float = POLL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = trio.sleep,
+                 retries: int = RETRIES, backoff_s: float = BACKOFF_S) -> None:
         self.d = desired
         self.client = client
         self.limiter = trio.CapacityLimiter(max(1, parallelism))
         self.progress = progress or (lambda event, data: None)
         self.poll_s = poll_s
         self.clock = clock
+        self.sleep = sleep
+        self.retries = retries
+        self.backoff_s = backoff_s
 
     async def run(self, plan: Plan) -> list[Result]:
         done: dict[str, trio.Event] = {c.address: trio.Event() for c in plan.changes}
@@ -60,13 +98,15 @@ class Executor:
                 async with self.limiter:
                     start = self.clock()
                     self.progress("started", {"change": change})
+                    tally = _Tally(change)
+                    code: str | None = None
                     try:
-                        message = await self.apply(change)
+                        message = await self.apply(change, tally)
                         status = "done"
                     except (ActionFailed, AgentError) as exc:
-                        message, status = str(exc), "failed"
+                        message, status, code = str(exc), "failed", exc.code
                     results[change.address] = Result(change.address, change.action.value, status, message,
-                                                     self.clock() - start)
+                                                     self.clock() - start, tally.retries, code)
             self.progress("finished", {"change": change, "result": results[change.address]})
             done[change.address].set()
 
@@ -75,61 +115,123 @@ class Executor:
                 nursery.start_soon(one, change)
         return [results[c.address] for c in plan.changes]
 
-    async def apply(self, c: Change) -> str:
+    async def call(self, tally: _Tally, ask: Callable[[], Awaitable[T]]) -> T:
+        """`ask()`, asked again after a retryable AgentError, up to `retries` times in a row with
+        doubling waits: one lost answer in a long fetch's polling does not fail the fetch."""
+        failures = 0
+        while True:
+            try:
+                return await ask()
+            except AgentError as exc:
+                if not exc.retryable or failures >= self.retries:
+                    raise
+                failures += 1
+                tally.retries += 1
+                self.progress("retry", {"change": tally.change, "error": exc, "attempt": failures})
+                await self.sleep(min(self.backoff_s * 2 ** (failures - 1), BACKOFF_MAX_S))
+
+    async def poll(self, tally: _Tally, ask: Callable[[], Awaitable[T]], judge: Callable[[T], tuple[bool, Any]],
+                   limit: float, stalled: Callable[[T], ActionFailed]) -> T:
+        """Ask every poll_s until `judge` says done: judge(answer) is (done, progress) or raises
+        ActionFailed. The action fails with `stalled(answer)` once progress stays the same for `limit`
+        seconds (progress that never changes makes `limit` a deadline)."""
+        last: Any = object()
+        since = self.clock()
+        while True:
+            answer = await self.call(tally, ask)
+            finished, progress = judge(answer)
+            if finished:
+                return answer
+            if progress != last:
+                last, since = progress, self.clock()
+            elif self.clock() - since > limit:
+                raise stalled(answer)
+            await self.sleep(self.poll_s)
+
+    async def apply(self, c: Change, tally: _Tally) -> str:
         node = self.d.nodes[c.node]
         if c.action is Action.REPLICATE:
-            return await self.replicate(c)
+            return await self.replicate(c, tally)
         if c.action is Action.STOP:
-            await self.client.stop_server(node, c.details["server_id"])
+            await self.call(tally, lambda: self.client.stop_server(node, c.details["server_id"]))
             return f"stopped {c.details['server_id']} on {c.node}"
         if c.action is Action.DELETE:
-            await self.client.delete_weights(node, c.details["digest"])
+            await self.call(tally, lambda: self.client.delete_weights(node, c.details["digest"]))
             return f"deleted {c.details['digest']} from {c.node}"
         if c.action is Action.REPLACE:
-            await self.client.stop_server(node, c.details["server_id"])
-        return await self.start(c)
+            await self.call(tally, lambda: self.client.stop_server(node, c.details["server_id"]))
+        return await self.start(c, tally)
 
-    async def replicate(self, c: Change) -> str:
-        node, digest = self.d.nodes[c.node], c.details["digest"]
-        peer = self.d.nodes[c.details["peer"]]
-        body: dict[str, Any] = {"peer": peer.agent_url, "name": c.details["model"]}
+    async def replicate(self, c: Change, tally: _Tally) -> str:
+        node, digest, peer = self.d.nodes[c.node], c.details["digest"], c.details["peer"]
+        body: dict[str, Any] = {"peer": self.d.nodes[peer].agent_url, "name": c.details["model"]}
         if c.details.get("layers"):
             body.update(layers=c.details["layers"], source_digest=c.details["source_digest"])
-        await self.client.fetch(node, digest, body)
-        last_bytes, last_change = -1, self.clock()
+        resumes = 0
         while True:
-            state = await self.client.weights(node, digest)
-            if state is None:
-                raise ActionFailed(f"{c.node} forgot the fetch of {digest}")
-            if state["state"] == "present":
+            await self.call(tally, lambda: self.client.fetch(node, digest, body))
+            try:
+                state = await self.poll(tally, lambda: self.client.weights(node, digest), self._fetched(c),
+                                        STALL_S, lambda _: ActionFailed(
+                                            "fetch_stalled", f"the fetch of {digest} on {c.node} made no progress "
+                                                             f"for {STALL_S:g}s"))
+                assert state is not None  # judged present
                 return f"{c.node} holds {digest} ({state.get('bytes', 0):,} bytes, verified)"
-            if state["state"] == "failed":
-                raise ActionFailed(f"{c.node} could not fetch {digest} from {c.details['peer']}: {state['error']}")
-            self.progress("progress", {"change": c, "done": state.get("bytes_done", 0),
-                                       "total": state.get("bytes_total", 0)})
-            if state.get("bytes_done", 0) != last_bytes:
-                last_bytes, last_change = state.get("bytes_done", 0), self.clock()
-            elif self.clock() - last_change > STALL_S:
-                raise ActionFailed(f"the fetch of {digest} on {c.node} made no progress for {STALL_S:g}s")
-            await trio.sleep(self.poll_s)
+            except _Resumable as exc:
+                # The agent kept what arrived: asking again resumes the fetch where it broke.
+                if resumes >= self.retries:
+                    raise ActionFailed("fetch_failed", f"{exc} (resumed {resumes} times)") from None
+                resumes += 1
+                tally.retries += 1
+                self.progress("retry", {"change": c, "error": exc, "attempt": resumes})
+                await self.sleep(min(self.backoff_s * 2 ** (resumes - 1), BACKOFF_MAX_S))
 
-    async def start(self, c: Change) -> str:
+    def _fetched(self, c: Change) -> Callable[[dict[str, Any] | None], tuple[bool, Any]]:
+        def judge(state: dict[str, Any] | None) -> tuple[bool, Any]:
+            if state is None:
+                raise ActionFailed("fetch_forgotten", f"{c.node} forgot the fetch of {c.details['digest']}")
+            if state["state"] == "present":
+                return True, None
+            if state["state"] == "failed":
+                message = f"{c.node} could not fetch {c.details['digest']} from {c.details['peer']}: {state['error']}"
+                raise (_Resumable("fetch_failed", message) if state.get("resumable")
+                       else ActionFailed("fetch_failed", message))
+            done = state.get("bytes_done", 0)
+            self.progress("progress", {"change": c, "done": done, "total": state.get("bytes_total", 0)})
+            return False, done
+        return judge
+
+    async def start(self, c: Change, tally: _Tally) -> str:
         node, d = self.d.nodes[c.node], c.details
         # Weights can vanish between plan and apply: ask right before starting.
-        held = await self.client.weights(node, d["digest"])
+        held = await self.call(tally, lambda: self.client.weights(node, d["digest"]))
         if held is None or held.get("state") != "present":
-            raise ActionFailed(f"{c.node} does not hold {d['model']} ({d['digest']}) any more; plan again")
-        await self.client.start_server(node, {"id": d["server_id"], "model": d["digest"], "port": d["port"],
-                                              "host": d["host"], "settings": d["settings"]})
-        deadline = self.clock() + float(d["settings"].get("startup_timeout_s", 300)) + 30
-        while True:
-            s = await self.client.server(node, d["server_id"])
+            raise ActionFailed("weights_gone", f"{c.node} does not hold {d['model']} ({d['digest']}) any more; "
+                                               "plan again")
+        body = {"id": d["server_id"], "model": d["digest"], "port": d["port"], "host": d["host"],
+                "settings": d["settings"]}
+        retried = tally.retries
+        try:
+            await self.call(tally, lambda: self.client.start_server(node, body))
+        except AgentHTTPError as exc:
+            # A start whose answer was lost may have landed: its retry then finds the server there.
+            if exc.status != 409 or tally.retries == retried:
+                raise
+
+        def judge(s: dict[str, Any] | None) -> tuple[bool, Any]:
             if s is None:
-                raise ActionFailed(f"{c.node} lost server {d['server_id']} while it started")
-            if s["state"] == "running":
-                return f"{d['server_id']} running on {c.node}:{d['port']} (pid {s['pid']})"
+                raise ActionFailed("server_lost", f"{c.node} lost server {d['server_id']} while it started")
             if s["state"] in ("failed", "stopped"):
-                raise ActionFailed(f"server {d['server_id']} on {c.node} failed: {s.get('reason')}")
-            if self.clock() > deadline:
-                raise ActionFailed(f"server {d['server_id']} on {c.node} still {s['state']} past its startup timeout")
-            await trio.sleep(self.poll_s)
+                raise ActionFailed("server_failed", f"server {d['server_id']} on {c.node} failed: {s.get('reason')}")
+            return s["state"] == "running", None
+
+        limit = float(d["settings"].get("startup_timeout_s", 300)) + STARTUP_GRACE_S
+        s = await self.poll(tally, lambda: self.client.server(node, d["server_id"]), judge, limit,
+                            lambda s: ActionFailed("startup_timeout", f"server {d['server_id']} on {c.node} still "
+                                                   f"{s['state'] if s else '?'} past its startup timeout"))
+        assert s is not None  # judged running
+        return f"{d['server_id']} running on {c.node}:{d['port']} (pid {s['pid']})"
+
+
+class _Resumable(ActionFailed):
+    """A fetch that failed keeping what it received (the agent says `resumable`)."""

@@ -1,13 +1,17 @@
-"""Diagnostics → text for people (like a compiler: place, source line, caret) or JSON for machines."""
+"""Diagnostics, plans and apply results → text for people (diagnostics like a compiler: place,
+source line, caret) or JSON for machines."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from rich.console import Console
 from rich.markup import escape
 
 from .diagnostics import Diagnostic, Severity
+
+if TYPE_CHECKING:
+    from .execute import Result
 
 JSON_FORMAT_VERSION = "1.0"
 
@@ -82,3 +86,15 @@ def print_plan(out: Console, plan: Any) -> None:
             out.print(f"      {escape(c.reason)}")
         out.print()
         out.print(f"[bold]{escape(plan.summary())}[/]")
+
+
+_MARK = {"done": "[green]✓[/]", "failed": "[red]✗[/]", "skipped": "[yellow]-[/]"}
+
+
+def result_line(r: Result) -> str:
+    """One apply result (reconciler.execute.Result): mark, action, address, what happened with the
+    failure's code, time taken and the retries it needed."""
+    code = f"[{r.code}] " if r.code else ""
+    retries = f", {r.retries} {'retry' if r.retries == 1 else 'retries'}" if r.retries else ""
+    return (f"{_MARK[r.status]} {r.action} {escape(r.address)}: {escape(code + r.message)} "
+            f"({r.seconds:.1f}s{retries})")

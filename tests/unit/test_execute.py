@@ -1,35 +1,76 @@
-"""The executor's scheduling with a fake agent client: order, skipping, bounded parallelism."""
+"""The executor with a fake agent client on a fake clock: order, skipping, bounded parallelism,
+and bounded retries of retryable errors (counted in each result)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
-from reconciler.execute import ActionFailed, Executor
+from reconciler.agent_errors import AgentError, AgentHTTPError, NodeAuthRejected, NodeUnreachable
+from reconciler.execute import RETRIES, ActionFailed, Executor, Result
 from reconciler.model import ControlPlaneSpec, Desired, NodeSpec
 from reconciler.plan import Action, Change, Plan
+from reconciler.render import result_line
+
+DIGEST = "sha256:" + "ab" * 32
 
 
 class FakeClient:
-    def __init__(self, fail: set[str]) -> None:
-        self.fail = fail
+    """An agent per node, in memory. `failures[call]` lists errors the next calls of that kind
+    raise, one per call, before they answer again."""
+
+    def __init__(self, fail: set[str] | None = None) -> None:
+        self.fail = fail or set()
+        self.failures: dict[str, list[AgentError]] = {}
         self.log: list[str] = []
         self.running = 0
         self.peak = 0
+        self.fetch_progress = [0, 40, 80]  # bytes_done on successive polls, then present
+        self.fetch_end: dict[str, Any] = {"state": "present", "bytes": 100}
+        self.server_states = ["starting", "starting", "running"]
+        self.servers: set[str] = set()
+
+    def _maybe_fail(self, call: str) -> None:
+        self.log.append(call)
+        queue = self.failures.get(call)
+        if queue:
+            raise queue.pop(0)
 
     async def stop_server(self, node: NodeSpec, sid: str) -> None:
         self.running += 1
         self.peak = max(self.peak, self.running)
         await trio.sleep(1)
         self.running -= 1
-        self.log.append(f"stop {sid}@{node.name}")
+        self._maybe_fail("stop")
+        self.log.append(f"stopped {sid}")
         if sid in self.fail:
-            raise ActionFailed(f"{sid} refused to stop")
+            raise ActionFailed("stop_refused", f"{sid} refused to stop")
 
     async def delete_weights(self, node: NodeSpec, digest: str) -> None:
-        self.log.append(f"delete {digest}@{node.name}")
+        self._maybe_fail("delete")
+
+    async def fetch(self, node: NodeSpec, digest: str, body: dict[str, Any]) -> dict[str, Any]:
+        self._maybe_fail("fetch")
+        return {"state": "fetching"}
+
+    async def weights(self, node: NodeSpec, digest: str) -> dict[str, Any] | None:
+        self._maybe_fail("weights")
+        if self.fetch_progress:
+            return {"state": "fetching", "bytes_done": self.fetch_progress.pop(0), "bytes_total": 100}
+        return self.fetch_end
+
+    async def start_server(self, node: NodeSpec, body: dict[str, Any]) -> dict[str, Any]:
+        self.servers.add(body["id"])  # lands even when the answer is then lost
+        self._maybe_fail("start")
+        return {"state": "starting"}
+
+    async def server(self, node: NodeSpec, sid: str) -> dict[str, Any] | None:
+        self._maybe_fail("server")
+        state = self.server_states.pop(0) if len(self.server_states) > 1 else self.server_states[0]
+        return {"id": sid, "state": state, "pid": 42, "reason": "exited with code 1"}
 
 
 def desired(n: int) -> Desired:
@@ -41,10 +82,33 @@ def stop(i: int, deps: tuple[str, ...] = ()) -> Change:
     return Change(Action.STOP, f"server.s{i}@n{i}", f"n{i}", "drift", deps, {"server_id": f"s{i}"})
 
 
-def run(plan: Plan, client: FakeClient, parallelism: int = 10) -> Any:
-    async def go() -> Any:
-        return await Executor(desired(20), client, parallelism=parallelism).run(plan)  # type: ignore[arg-type]
+REPLICATE = Change(Action.REPLICATE, "replica.m@n1", "n1", "wanted", (),
+                   {"digest": DIGEST, "peer": "n0", "model": "m"})
+START = Change(Action.START, "server.chat@n1", "n1", "wanted", (),
+               {"server_id": "chat@n1", "digest": DIGEST, "model": "m", "port": 9001, "host": "0.0.0.0",
+                "settings": {"startup_timeout_s": 60}})
+
+
+def run(plan: Plan, client: FakeClient, parallelism: int = 10, events: list[str] | None = None) -> list[Result]:
+    def progress(event: str, data: dict[str, Any]) -> None:
+        if events is not None and event == "retry":
+            events.append(f"retry {data['attempt']}: {data['error'].code}")
+
+    async def go() -> list[Result]:
+        return await Executor(desired(20), client, parallelism=parallelism, clock=trio.current_time,
+                              progress=progress).run(plan)
     return trio.run(go, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def one(change: Change, client: FakeClient, events: list[str] | None = None) -> Result:
+    if change.action is Action.START:
+        client.fetch_progress = []  # the weights are there to start from
+    (result,) = run(Plan((change,), ()), client, events=events)
+    return result
+
+
+def unreachable(node: str = "n1") -> NodeUnreachable:
+    return NodeUnreachable(NodeSpec(node, "10.0.0.1"), "connection refused")
 
 
 def test_dependents_of_a_failure_are_skipped_and_the_rest_finish() -> None:
@@ -52,14 +116,105 @@ def test_dependents_of_a_failure_are_skipped_and_the_rest_finish() -> None:
     client = FakeClient(fail={"s1"})
     results = {r.address: r for r in run(Plan(changes, ()), client)}
     assert results["server.s1@n1"].status == "failed" and "refused" in results["server.s1@n1"].message
+    assert results["server.s1@n1"].code == "stop_refused"
     assert results["server.s2@n2"].status == "skipped" and "server.s1@n1" in results["server.s2@n2"].message
     assert results["server.s3@n3"].status == "skipped"
     assert results["server.s4@n4"].status == "done"
-    assert "stop s2@n2" not in client.log
+    assert sorted(e for e in client.log if e.startswith("stopped")) == ["stopped s1", "stopped s4"]
 
 
 def test_parallelism_is_bounded() -> None:
-    client = FakeClient(fail=set())
+    client = FakeClient()
     results = run(Plan(tuple(stop(i) for i in range(12)), ()), client, parallelism=3)
     assert all(r.status == "done" for r in results)
     assert client.peak == 3
+
+
+def test_a_replicate_goes_on_through_a_lost_answer_while_polling() -> None:
+    client = FakeClient()
+    client.failures["weights"] = [unreachable()]
+    events: list[str] = []
+    result = one(REPLICATE, client, events)
+    assert result.status == "done" and result.retries == 1 and "holds" in result.message
+    assert events == ["retry 1: node_unreachable"]
+    assert result_line(result).endswith(", 1 retry)")
+
+
+@pytest.mark.parametrize("call, change", [("fetch", REPLICATE), ("weights", REPLICATE), ("stop", stop(1)),
+                                          ("server", START), ("delete", Change(Action.DELETE, "replica.m@n1", "n1",
+                                                                                 "unwanted", (), {"digest": DIGEST}))])
+def test_retryable_errors_are_retried_until_the_call_answers(call: str, change: Change) -> None:
+    client = FakeClient()
+    client.failures[call] = [unreachable(), AgentHTTPError(NodeSpec("n1", "10.0.0.1"), 503, "busy"), unreachable()]
+    result = one(change, client)
+    assert result.status == "done" and result.retries == 3 and result.code is None
+
+
+def test_retries_are_bounded_and_the_error_keeps_its_code() -> None:
+    client = FakeClient()
+    client.failures["weights"] = [unreachable() for _ in range(100)]
+    result = one(REPLICATE, client)
+    assert result.status == "failed" and result.code == "node_unreachable"
+    assert result.retries == RETRIES and client.log.count("weights") == RETRIES + 1
+    assert "did not answer: connection refused" in result.message
+    line = result_line(result)
+    assert "[node_unreachable]" in line and f"{RETRIES} retries)" in line
+
+
+def test_a_final_error_is_not_retried() -> None:
+    client = FakeClient()
+    client.failures["stop"] = [NodeAuthRejected(NodeSpec("n1", "10.0.0.1"), "wrong secret")]
+    result = one(stop(1), client)
+    assert result.status == "failed" and result.code == "node_auth_rejected" and result.retries == 0
+
+
+def test_a_start_whose_answer_was_lost_finds_its_server_on_the_retry() -> None:
+    client = FakeClient()
+    node = NodeSpec("n1", "10.0.0.1")
+    client.failures["start"] = [unreachable(), AgentHTTPError(node, 409, "server chat@n1 is already starting")]
+    result = one(START, client)
+    assert result.status == "done" and result.retries == 1 and "pid 42" in result.message
+
+
+def test_a_server_that_exists_before_the_start_is_a_failure() -> None:
+    client = FakeClient()
+    client.failures["start"] = [AgentHTTPError(NodeSpec("n1", "10.0.0.1"), 409, "server chat@n1 is already running")]
+    result = one(START, client)
+    assert result.status == "failed" and "409" in result.message and result.retries == 0
+
+
+def test_a_resumable_fetch_failure_is_resumed_a_bounded_number_of_times() -> None:
+    client = FakeClient()
+    client.fetch_progress = []
+    client.fetch_end = {"state": "failed", "error": "peer closed the connection", "resumable": True}
+    result = one(REPLICATE, client)
+    assert result.status == "failed" and result.code == "fetch_failed"
+    assert client.log.count("fetch") == RETRIES + 1 and result.retries == RETRIES
+    assert f"resumed {RETRIES} times" in result.message
+
+
+def test_a_final_fetch_failure_is_not_resumed() -> None:
+    client = FakeClient()
+    client.fetch_progress = []
+    client.fetch_end = {"state": "failed", "error": "digest mismatch"}
+    result = one(REPLICATE, client)
+    assert result.status == "failed" and result.code == "fetch_failed" and client.log.count("fetch") == 1
+
+
+def test_a_fetch_without_progress_stalls_and_a_server_past_its_timeout_fails() -> None:
+    client = FakeClient()
+    client.fetch_progress = [5] * 100_000
+    stalled = one(REPLICATE, client)
+    assert stalled.code == "fetch_stalled" and "no progress for 300s" in stalled.message
+    client = FakeClient()
+    client.server_states = ["starting"]
+    late = one(START, client)
+    assert late.code == "startup_timeout" and "still starting past its startup timeout" in late.message
+    assert 90 <= late.seconds <= 91  # 60 s of its own startup_timeout_s, 30 s of grace
+
+
+def test_a_server_that_fails_to_start_says_why() -> None:
+    client = FakeClient()
+    client.server_states = ["starting", "failed"]
+    result = one(START, client)
+    assert result.code == "server_failed" and "exited with code 1" in result.message
