@@ -23,8 +23,9 @@ import trio  # noqa: E402
 
 from reconciler.client import AgentClient  # noqa: E402
 from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec  # noqa: E402
+from reconciler.observe import observer  # noqa: E402
 from reconciler.serve.heartbeat import Heartbeat  # noqa: E402
-from reconciler.store import Store  # noqa: E402
+from reconciler.state_store import StateStore  # noqa: E402
 from tests.agents import SECRET, agent_env, free_port, wait_healthy  # noqa: E402
 from tests.conftest import fleet_bin  # noqa: E402
 
@@ -56,12 +57,12 @@ def main() -> None:
                                              9000) for k in range((n + 9) // 10)}
             desired = Desired(1, ControlPlaneSpec("n0"), nodes, {"m": ModelSpec("m", "safetensors", DIGEST, "n0")},
                               (), clusters)
-            store = Store(base / "state")
+            store = StateStore(base / "state")
 
             async def run() -> list[tuple[float, float]]:
                 out = []
                 async with AgentClient(SECRET) as client:
-                    beat = Heartbeat(desired, client, store)
+                    beat = Heartbeat(desired, observer(desired, client), store.serve)
                     await beat.beat()  # warm: connections, imports, first rows
                     for _ in range(args.beats):
                         cpu, wall = time.process_time(), time.perf_counter()

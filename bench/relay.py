@@ -65,6 +65,7 @@ def serve_upstream(port: int, chunks: int) -> None:
 
 def serve_router(port: int, upstream: int) -> None:
     from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+    from reconciler.observed import node_from_state
     from reconciler.serve.heartbeat import View
     from reconciler.serve.front import Front
     from reconciler.serve.router import Router
@@ -72,8 +73,9 @@ def serve_router(port: int, upstream: int) -> None:
     digest = "sha256:" + "1" * 64
     desired = Desired(1, ControlPlaneSpec("w"), {"w": NodeSpec("w", HOST)},
                       {"m": ModelSpec("m", "safetensors", digest, "w")}, (), {"chat": ClusterSpec("chat", "m", ("w",), upstream)})
-    view = View(states={"w": {"servers": [{"id": "chat@w", "state": "running", "model": digest}],
-                              "inventory": {"disk": {"path": "/srv/home"}}, "weights": []}}, online={"w": True})
+    state = {"servers": [{"id": "chat@w", "state": "running", "model": digest}],
+             "inventory": {"disk": {"path": "/srv/home"}}, "weights": []}
+    view = View(nodes={"w": node_from_state("w", state)}, online={"w": True})
 
     async def main() -> None:
         front = Front(Router(desired, view).app())

@@ -61,12 +61,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _commands(name: str) -> Callable[[argparse.Namespace], int]:
     def run_command(args: argparse.Namespace) -> int:
-        from . import commands
+        from . import commands, tables
 
         try:
             if name == "unlock":
-                return commands.cmd_unlock(args)
-            return int(getattr(commands, f"cmd_{name}")(args, _config_path(args)))
+                return tables.cmd_unlock(args)
+            module = tables if name in ("nodes", "alerts") else commands
+            return int(getattr(module, f"cmd_{name}")(args, _config_path(args)))
         except commands.Stop as stop:
             return stop.code
     return run_command

@@ -1,4 +1,5 @@
-"""`fleet observe`, `plan`, `apply`, `unlock`: load, observe, plan, show, execute, and exit codes."""
+"""`fleet observe`, `plan`, `apply`, `serve`: load, observe, plan, show, execute, and exit codes.
+(`nodes`, `alerts` and `unlock` read the state directory: reconciler/tables.py.)"""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ from .execute import Executor, Result
 from .exitcodes import Exit
 from .model import Desired
 from .observe import observe
-from .observed import from_snapshot
+from .observed import Observed, from_snapshot
 from .plan import Plan
 from .planner import plan as make_plan
-from .render import console, print_diagnostics, print_plan
-from .store import LockHeld, Store, default_state_dir
+from .render import console, print_diagnostics, print_plan, result_line
+from .state_store import ApplyLedger, LockHeld, StateStore, default_state_dir
 
 
 class Stop(Exception):
@@ -52,7 +53,7 @@ def _secret() -> str:
     return secret
 
 
-async def _observe(desired: Desired, timeout: float) -> dict[str, Any]:
+async def _observe(desired: Desired, timeout: float) -> Observed:
     async with AgentClient(_secret(), timeout=timeout) as client:
         return await observe(desired, client, timeout=timeout)
 
@@ -60,12 +61,12 @@ async def _observe(desired: Desired, timeout: float) -> dict[str, Any]:
 def cmd_observe(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
     assert loaded.desired is not None
-    snapshot = trio.run(_observe, loaded.desired, args.timeout)
-    text = json.dumps(snapshot, indent=2)
+    observed = trio.run(_observe, loaded.desired, args.timeout)
+    text = json.dumps(observed.to_snapshot(), indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
-        bad = [n for n, e in snapshot["nodes"].items() if e["error"]]
-        console(stderr=True).print(f"observed {len(snapshot['nodes'])} nodes into {args.out}"
+        bad = [n for n, o in observed.nodes.items() if not o.ok]
+        console(stderr=True).print(f"observed {len(observed.nodes)} nodes into {args.out}"
                                    + (f"; no answer from {', '.join(bad)}" if bad else ""))
     else:
         print(text)
@@ -76,13 +77,12 @@ def _plan(loaded: config.Loaded, args: argparse.Namespace) -> Plan:
     assert loaded.desired is not None
     if getattr(args, "observed", None):
         try:
-            snapshot = json.loads(Path(args.observed).read_text())
+            observed = from_snapshot(json.loads(Path(args.observed).read_text()))
         except (OSError, ValueError) as exc:
             console(stderr=True).print(f"[red]error:[/] cannot read the snapshot {args.observed}: {exc}")
             raise Stop(Exit.FAILURE) from None
     else:
-        snapshot = trio.run(_observe, loaded.desired, args.timeout)
-    observed = from_snapshot(snapshot)
+        observed = trio.run(_observe, loaded.desired, args.timeout)
     warnings = tuple(d for d in loaded.diagnostics if not d.is_error)
     p = make_plan(loaded.desired, observed, targets=tuple(args.target or ()),
                   config_digest=loaded.digest or "", config_file=loaded.filename)
@@ -124,34 +124,27 @@ def _stale(saved: Plan, loaded: config.Loaded, args: argparse.Namespace) -> list
     return reasons
 
 
-def _report(results: list[Result]) -> None:
-    out = console(stderr=False)
-    for r in results:
-        mark = {"done": "[green]✓[/]", "failed": "[red]✗[/]", "skipped": "[yellow]-[/]"}[r.status]
-        out.print(f"{mark} {r.action} {r.address}: {r.message} ({r.seconds:.1f}s)")
-
-
 def cmd_apply(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
     err = console(stderr=True)
     # The lock covers planning too: two applies planning at once would both plan the same work.
-    store = Store(Path(args.state_dir) if args.state_dir else default_state_dir())
-    try:
-        lock, taken = store.acquire(" ".join(["fleet", *sys.argv[1:]]))
-    except LockHeld as exc:
-        err.print(f"[red]error[lock_held]:[/] {exc}\n  = If that process is gone for good: fleet unlock {exc.holder.id}")
-        store.close()
-        return Exit.LOCKED
-    if taken is not None:
-        err.print(f"[yellow]warning:[/] took over the lock of a process that is gone: {taken.describe()}")
-    try:
-        return _apply_locked(loaded, args, store)
-    finally:
-        store.release(lock.id)
-        store.close()
+    with StateStore(Path(args.state_dir) if args.state_dir else default_state_dir()) as store:
+        ledger = store.applies
+        try:
+            lock, taken = ledger.acquire(" ".join(["fleet", *sys.argv[1:]]))
+        except LockHeld as exc:
+            err.print(f"[red]error[lock_held]:[/] {exc}\n  = If that process is gone for good: "
+                      f"fleet unlock {exc.holder.id}")
+            return Exit.LOCKED
+        if taken is not None:
+            err.print(f"[yellow]warning:[/] took over the lock of a process that is gone: {taken.describe()}")
+        try:
+            return _apply_locked(loaded, args, ledger)
+        finally:
+            ledger.release(lock.id)
 
 
-def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, store: Store) -> int:
+def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, ledger: ApplyLedger) -> int:
     err = console(stderr=True)
     if args.planfile:
         try:
@@ -187,8 +180,10 @@ def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, store: Store)
     desired = loaded.desired
     assert desired is not None
     results = trio.run(_execute, desired, p, args)
-    store.record_apply(started, p.config_digest, p.summary(), [asdict(r) for r in results])
-    _report(results)
+    ledger.record_apply(started, p.config_digest, p.summary(), [asdict(r) for r in results])
+    out = console(stderr=False)
+    for r in results:
+        out.print(result_line(r))
     failed = [r for r in results if r.status != "done"]
     if failed:
         err.print(f"[red]✗ {len(failed)} of {len(results)} actions did not complete.[/] Run `fleet apply` "
@@ -204,23 +199,12 @@ async def _execute(desired: Desired, p: Plan, args: argparse.Namespace) -> list[
     def progress(event: str, data: dict[str, Any]) -> None:
         if event == "started":
             out.print(f"  … {data['change'].action.value} {data['change'].address}")
+        elif event == "retry":
+            out.print(f"  ↻ {data['change'].action.value} {data['change'].address}: retry {data['attempt']} "
+                      f"after {data['error']}", markup=False)
 
     async with AgentClient(_secret(), timeout=args.timeout) as client:
         return await Executor(desired, client, parallelism=args.parallelism, progress=progress).run(p)
-
-
-def cmd_unlock(args: argparse.Namespace) -> int:
-    store = Store(Path(args.state_dir) if args.state_dir else default_state_dir())
-    holder = store.holder()
-    if holder is None:
-        console(stderr=True).print("no lock is held")
-        return Exit.OK
-    if holder.id != args.lock_id:
-        console(stderr=True).print(f"[red]error:[/] the lock is held by {holder.describe()}, not {args.lock_id}")
-        return Exit.FAILURE
-    store.release(holder.id)
-    console(stderr=True).print(f"released the lock of {holder.describe()}")
-    return Exit.OK
 
 
 def cmd_serve(args: argparse.Namespace, path: str) -> int:
@@ -232,10 +216,10 @@ def cmd_serve(args: argparse.Namespace, path: str) -> int:
     desired = loaded.desired
     assert desired is not None
     logging.basicConfig(level=logging.INFO, format="fleet serve: %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per heartbeat request is noise
-    store = Store(Path(args.state_dir) if args.state_dir else default_state_dir())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request is noise
+    store = StateStore(Path(args.state_dir) if args.state_dir else default_state_dir())
     try:
-        trio.run(lambda: serve(desired, _secret(), store, interval=args.interval, misses=args.misses,
+        trio.run(lambda: serve(desired, _secret(), store.serve, interval=args.interval, misses=args.misses,
                                timeout=args.timeout))
     except ServeRefused as exc:
         console(stderr=True).print(f"[red]error:[/] {exc}")
@@ -246,76 +230,4 @@ def cmd_serve(args: argparse.Namespace, path: str) -> int:
         return Exit.FAILURE
     finally:
         store.close()
-    return Exit.OK
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f}"
-
-
-def cmd_nodes(args: argparse.Namespace, path: str) -> int:
-    from rich.table import Table
-
-    store = Store(Path(args.state_dir) if args.state_dir else default_state_dir())
-    nodes, rows, alerts = store.nodes(), store.server_rows(), store.alerts()
-    store.close()
-    loaded = config.load(path) if Path(path).is_file() else None  # for addresses, when the file is here
-    specs = loaded.desired.nodes if loaded is not None and loaded.desired is not None else {}
-    if args.json:
-        print(json.dumps({"nodes": nodes, "servers": rows, "alerts": alerts}, indent=2))
-        return Exit.OK
-    if not nodes:
-        console(stderr=True).print("no node has been seen yet: `fleet serve` records what its heartbeat finds")
-        return Exit.OK
-    table = Table(box=None, pad_edge=False)
-    for col in ["NODE", "STATUS", "LAST SEEN", "GPUS (FREE/TOTAL GiB)", "MODELS", "SERVERS"] + (
-            ["ADDRESS", "IDENTITY", "VERSION", "VARIANT", "WINDOWS"] if args.wide else []):
-        table.add_column(col, overflow="fold" if args.wide else "ellipsis", no_wrap=not args.wide)
-    failures = []
-    for n in nodes:
-        st = n["state"] or {}
-        inv = st.get("inventory", {})
-        gpus = ", ".join(f"{_gib(g['memory_free_bytes'])}/{_gib(g['memory_total_bytes'])}" for g in inv.get("gpus", []))
-        models = ", ".join((w.get("name") or w["digest"][7:19]) + (f"[{w['slice']['layers']}]" if w.get("slice") else "")
-                           for w in st.get("weights", []))
-        servers = ", ".join(f"{r['cluster']}:{r['state']}" for r in rows if r["node"] == n["name"])
-        row = [n["name"], n["status"], n["last_seen"] or "never", gpus or "-", models or "-", servers or "-"]
-        if args.wide:
-            avail = st.get("availability", {})
-            spec = specs.get(n["name"])
-            row += [f"{spec.address}:{spec.agent_port}" if spec else "-", st.get("identity", {}).get("id", "-"), st.get("agent_version", "-"),
-                    st.get("variant", {}).get("accelerator", "-"),
-                    ", ".join(avail.get("windows", [])) or "always"]
-        table.add_row(*row)
-        if n["error"]:
-            failures.append(f"{n['name']}: {n['error']}")
-    for r in rows:
-        if r["reason"] and r["state"] not in ("running",):
-            failures.append(f"{r['id']} ({r['state']}): {r['reason']}")
-    out = console(stderr=False)
-    if not out.is_terminal:
-        out.width = 250  # a pipe or CI log: do not squeeze the table into 80 columns
-    out.print(table)
-    for a in alerts:
-        out.print(f"[red]ALERT[/] {a['kind']} {a['node']} since {a['raised_at']}: {a['cause']}")
-    if args.wide and failures:
-        out.print("\nfailures, in full:")
-        for f in failures:
-            out.print(f"  {f}", markup=False)
-    return Exit.OK
-
-
-def cmd_alerts(args: argparse.Namespace, path: str) -> int:
-    store = Store(Path(args.state_dir) if args.state_dir else default_state_dir())
-    alerts = store.alerts(include_cleared=args.all)
-    store.close()
-    if args.json:
-        print(json.dumps(alerts, indent=2))
-        return Exit.OK
-    if not alerts:
-        console(stderr=False).print("no alerts" if not args.all else "no alerts recorded")
-    for a in alerts:
-        state = f"cleared {a['cleared_at']}" if a["cleared_at"] else "OPEN"
-        console(stderr=False).print(f"{a['kind']} {a['node']} raised {a['raised_at']} ({state}): {a['cause']}",
-                                    markup=False)
     return Exit.OK

@@ -1,41 +1,42 @@
 """Ask every agent for its state, concurrently and bounded, each with its own timeout; then fetch
-the full manifests that slices are computed from. The result is a snapshot (plain JSON)."""
+the full manifests that slices are computed from. The result is typed (reconciler/observed.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import trio
 
 from .client import AgentClient, AgentError
 from .model import Desired
-from .observed import SNAPSHOT_FORMAT
+from .observed import Observed, ObservedNode, node_from_state
 
 DEFAULT_CONCURRENCY = 64
 DEFAULT_TIMEOUT_S = 10.0
 
+Observer = Callable[[float], Awaitable[Observed]]  # a timeout per node → what every node reported
+
 
 async def observe(desired: Desired, client: AgentClient, *, concurrency: int = DEFAULT_CONCURRENCY,
-                  timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    # Bounded: thousands of tasks queued on one connection pool is far slower than a limiter
-    # sized to the pool (DESIGN.md).
+                  timeout: float = DEFAULT_TIMEOUT_S) -> Observed:
+    # Bounded: thousands of tasks queued at once is far slower than a limiter (STYLE.md, habit 6).
     limiter = trio.CapacityLimiter(concurrency)
-    nodes: dict[str, Any] = {}
+    nodes: dict[str, ObservedNode] = {}
 
     async def one(name: str) -> None:
         spec = desired.nodes[name]
         async with limiter:
             try:
                 with trio.fail_after(timeout):
-                    nodes[name] = {"state": await client.state(spec), "error": None}
+                    nodes[name] = node_from_state(name, await client.state(spec))
             except trio.TooSlowError:
-                nodes[name] = {"state": None, "error": {
-                    "code": "node_unreachable",
-                    "message": f"node {name!r} at {spec.address}:{spec.agent_port} did not answer within {timeout:g}s"}}
+                where = f"{spec.address}:{spec.agent_port}"
+                nodes[name] = ObservedNode(name, "node_unreachable",
+                                           f"node {name!r} at {where} did not answer within {timeout:g}s")
             except AgentError as exc:
-                nodes[name] = {"state": None, "error": {"code": exc.code, "message": exc.message}}
+                nodes[name] = ObservedNode(name, exc.code, exc.message)
 
     async with trio.open_nursery() as nursery:
         for name in desired.nodes:
@@ -45,8 +46,7 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
     sliced = {r.model for r in desired.replicas if r.layers is not None}
     for model_name in sorted(sliced):
         m = desired.models[model_name]
-        holders = [n for n in [m.source, *desired.nodes] if (nodes.get(n) or {}).get("state")
-                   and any(w["digest"] == m.digest for w in nodes[n]["state"]["weights"])]
+        holders = [n for n in [m.source, *desired.nodes] if n in nodes and m.digest in nodes[n].weights]
         for holder in holders[:1]:
             try:
                 with trio.fail_after(timeout):
@@ -55,4 +55,11 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
                 continue
             if "sha256:" + hashlib.sha256(body).hexdigest() == m.digest:
                 manifests[m.digest] = json.loads(body)
-    return {"format_version": SNAPSHOT_FORMAT, "nodes": dict(sorted(nodes.items())), "manifests": manifests}
+    return Observed(dict(sorted(nodes.items())), manifests)
+
+
+def observer(desired: Desired, client: AgentClient, *, concurrency: int = DEFAULT_CONCURRENCY) -> Observer:
+    """observe() for this fleet through this client, as the heartbeat calls it."""
+    async def call(timeout: float) -> Observed:
+        return await observe(desired, client, concurrency=concurrency, timeout=timeout)
+    return call

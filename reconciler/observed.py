@@ -1,5 +1,7 @@
-"""What the agents reported, as frozen values: the planner's second argument. Built from a
-snapshot (the JSON `fleet observe -o` writes), so a plan can be made again with no network."""
+"""What the agents reported, as frozen values: what observe() returns and the planner, the
+heartbeat, the router and `fleet nodes` read. Each node keeps the state it was built from, so that
+the snapshot (the JSON `fleet observe -o` writes) round-trips and a plan can be made again with no
+network."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ class HeldModel:
     bytes: int
     slice_of: str | None = None
     layers: str | None = None
+    name: str = ""
+    path: str = ""  # where the agent keeps it: scrubbed from answers relayed to clients
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,16 +50,31 @@ class ObservedNode:
     fetching: frozenset[str] = frozenset()
     servers: dict[str, ObservedServer] = field(default_factory=dict)
     fingerprint: str = ""
+    agent_version: str = ""
+    accelerator: str = ""
+    home: str = ""  # the agent's home directory (the disk it reports on)
+    state: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as the agent sent it
 
     @property
     def ok(self) -> bool:
         return self.error_code is None
+
+    def snapshot_entry(self) -> dict[str, Any]:
+        """This node in a snapshot: its state, or the error that stood in for it."""
+        if self.error_code is not None:
+            return {"state": None, "error": {"code": self.error_code, "message": self.error or ""}}
+        return {"state": self.state, "error": None}
 
 
 @dataclass(frozen=True, slots=True)
 class Observed:
     nodes: dict[str, ObservedNode]
     manifests: dict[str, dict[str, Any]] = field(default_factory=dict)  # full manifests of sliced models
+
+    def to_snapshot(self) -> dict[str, Any]:
+        return {"format_version": SNAPSHOT_FORMAT,
+                "nodes": {name: self.nodes[name].snapshot_entry() for name in sorted(self.nodes)},
+                "manifests": self.manifests}
 
 
 def fingerprint(state: dict[str, Any]) -> str:
@@ -77,7 +96,7 @@ def node_from_state(name: str, state: dict[str, Any]) -> ObservedNode:
     for w in state.get("weights", []):
         sl = w.get("slice") or {}
         weights[w["digest"]] = HeldModel(w["digest"], w.get("format", ""), int(w.get("bytes", 0)),
-                                         sl.get("of"), sl.get("layers"))
+                                         sl.get("of"), sl.get("layers"), w.get("name") or "", w.get("path") or "")
     servers = {s["id"]: ObservedServer(s["id"], s.get("state", ""), s.get("model", ""), int(s.get("port", 0)),
                                        dict(s.get("settings") or {}), s.get("reason"))
                for s in state.get("servers", [])}
@@ -88,16 +107,20 @@ def node_from_state(name: str, state: dict[str, Any]) -> ObservedNode:
         simulated=bool(inv.get("simulated")), inside_window=bool(avail.get("inside", True)),
         windows=tuple(avail.get("windows", [])), weights=weights,
         fetching=frozenset(f["digest"] for f in state.get("fetches", [])), servers=servers,
-        fingerprint=fingerprint(state))
+        fingerprint=fingerprint(state), agent_version=state.get("agent_version", ""),
+        accelerator=state.get("variant", {}).get("accelerator", ""), home=inv.get("disk", {}).get("path", ""),
+        state=state)
+
+
+def node_from_entry(name: str, entry: dict[str, Any]) -> ObservedNode:
+    """A node from its snapshot entry: {"state": ..., "error": null} or {"state": null, "error": {code, message}}."""
+    if entry.get("state") is not None:
+        return node_from_state(name, entry["state"])
+    err = entry.get("error") or {}
+    return ObservedNode(name=name, error_code=err.get("code", "node_unreachable"),
+                        error=err.get("message", "no answer"))
 
 
 def from_snapshot(snapshot: dict[str, Any]) -> Observed:
-    nodes = {}
-    for name, entry in snapshot.get("nodes", {}).items():
-        if entry.get("state") is not None:
-            nodes[name] = node_from_state(name, entry["state"])
-        else:
-            err = entry.get("error") or {}
-            nodes[name] = ObservedNode(name=name, error_code=err.get("code", "node_unreachable"),
-                                       error=err.get("message", "no answer"))
+    nodes = {name: node_from_entry(name, entry) for name, entry in snapshot.get("nodes", {}).items()}
     return Observed(nodes=nodes, manifests=dict(snapshot.get("manifests", {})))

@@ -10,10 +10,12 @@ from typing import Any, Callable
 
 import trio
 
-from ..client import AgentClient
+from wire.ids import server_id
+
 from ..model import Desired
-from ..observe import observe
-from ..store import Store
+from ..observe import Observer
+from ..observed import Observed, ObservedNode
+from ..state_store import ServeRecord
 
 DEFAULT_INTERVAL_S = 30.0
 DEFAULT_MISSES = 2  # consecutive missed beats before node_offline: one lost packet is not an outage
@@ -27,18 +29,21 @@ def utc_now() -> str:
 class View:
     """The latest beat, in memory, for the router: which members are up and what to scrub."""
 
-    states: dict[str, dict[str, Any]] = field(default_factory=dict)  # node → agent state
+    nodes: dict[str, ObservedNode] = field(default_factory=dict)  # node → what it last reported
     online: dict[str, bool] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
     beats: int = 0
 
 
 class Heartbeat:
-    def __init__(self, desired: Desired, client: AgentClient, store: Store, *, interval: float = DEFAULT_INTERVAL_S,
-                 misses: int = DEFAULT_MISSES, timeout: float = 10.0, now: Callable[[], str] = utc_now,
-                 on_beat: Callable[[float], None] | None = None) -> None:
+    """`observe` asks the fleet (reconciler.observe.observer in production); `store` keeps what it
+    found; `now` stamps the rows."""
+
+    def __init__(self, desired: Desired, observe: Observer, store: ServeRecord, *,
+                 interval: float = DEFAULT_INTERVAL_S, misses: int = DEFAULT_MISSES, timeout: float = 10.0,
+                 now: Callable[[], str] = utc_now, on_beat: Callable[[float], None] | None = None) -> None:
         self.d = desired
-        self.client = client
+        self.observe = observe
         self.store = store
         self.interval = interval
         self.threshold = misses
@@ -49,28 +54,26 @@ class Heartbeat:
 
     async def beat(self) -> None:
         started = trio.current_time()
-        snapshot = await observe(self.d, self.client, timeout=self.timeout)
+        observed = await self.observe(self.timeout)
         with self.store.transaction():
-            self.record(snapshot)
+            self.record(observed)
         self.view.beats += 1
         self.on_beat(trio.current_time() - started)
 
-    def record(self, snapshot: dict[str, Any]) -> None:
+    def record(self, observed: Observed) -> None:
         when = self.now()
-        for name, entry in snapshot["nodes"].items():
-            state = entry["state"]
-            if state is not None:
-                self.view.states[name] = state
+        for name, node in observed.nodes.items():
+            if node.ok:
+                self.view.nodes[name] = node
                 self.view.misses[name] = 0
                 self.view.online[name] = True
-                self.store.put_node(name, "online", when, state=state, error=None)
+                self.store.put_node(name, "online", when, state=node.state, error=None)
                 self.store.clear_alert(name, "node_offline", when)
                 continue
-            err = entry["error"]
             self.view.misses[name] = self.view.misses.get(name, 0) + 1
             offline = self.view.misses[name] >= self.threshold
             self.view.online[name] = not offline and self.view.online.get(name, False)
-            cause = f"{err['code']}: {err['message']}"
+            cause = f"{node.error_code}: {node.error}"
             self.store.put_node(name, "offline" if offline else "missed", when, state=None, error=cause)
             if offline:
                 self.store.raise_alert(name, "node_offline", cause, when)
@@ -81,18 +84,18 @@ class Heartbeat:
         for c in self.d.clusters.values():
             digest = self.d.models[c.model].digest
             for node in c.members:
-                sid = f"{c.name}@{node}"
-                row = {"id": sid, "cluster": c.name, "node": node, "model": c.model, "port": c.port}
+                sid = server_id(c.name, node)
+                row: dict[str, Any] = {"id": sid, "cluster": c.name, "node": node, "model": c.model, "port": c.port}
                 if not self.view.online.get(node, False):
                     row.update(state="node_offline", reason=f"node {node} is offline")
                 else:
-                    server = next((s for s in self.view.states[node].get("servers", []) if s["id"] == sid), None)
+                    server = self.view.nodes[node].servers.get(sid)
                     if server is None:
                         row.update(state="missing", reason=f"{node} reports no server {sid} (not applied yet?)")
-                    elif server["model"] != digest:
+                    elif server.model != digest:
                         row.update(state="drifted", reason=f"{node} runs {sid} with another model")
                     else:
-                        row.update(state=server["state"], reason=server.get("reason"))
+                        row.update(state=server.state, reason=server.reason)
                 self.store.put_server_row(row, when)
 
     async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -16,6 +16,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from wire.ids import server_id
+
 from ..model import ClusterSpec, Desired
 from .heartbeat import View
 from .metrics import ServeMetrics
@@ -127,13 +129,13 @@ class Router:
     def member_state(self, c: ClusterSpec, node: str) -> tuple[bool, str]:
         if not self.view.online.get(node, False):
             return False, f"{node}: node offline"
-        server = next((s for s in self.view.states.get(node, {}).get("servers", []) if s["id"] == f"{c.name}@{node}"),
-                      None)
+        seen = self.view.nodes.get(node)
+        server = seen.servers.get(server_id(c.name, node)) if seen is not None else None
         if server is None:
             return False, f"{node}: no server started"
-        if server["state"] != "running":
-            reason = (server.get("reason") or "").splitlines()[0] if server.get("reason") else ""
-            return False, f"{node}: server {server['state']}" + (f" ({reason})" if reason else "")
+        if server.state != "running":
+            reason = server.reason.splitlines()[0] if server.reason else ""
+            return False, f"{node}: server {server.state}" + (f" ({reason})" if reason else "")
         return True, ""
 
     def candidates(self, c: ClusterSpec) -> tuple[list[str], list[str]]:
@@ -146,9 +148,8 @@ class Router:
         return ok, why
 
     def scrubber(self, node: str, replacement: str) -> Scrubber:
-        state = self.view.states.get(node, {})
-        paths = [w.get("path", "") for w in state.get("weights", [])]
-        paths.append(state.get("inventory", {}).get("disk", {}).get("path", ""))
+        seen = self.view.nodes.get(node)
+        paths = [w.path for w in seen.weights.values()] + [seen.home] if seen is not None else []
         return Scrubber([p for p in paths if p and p != "/"], replacement)
 
     # ---- relaying ----
@@ -219,8 +220,11 @@ class Router:
     def authorized(self, request: Request) -> bool:
         if not self.keys:
             return True
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
-        return any(hmac.compare_digest(given, k) for k in self.keys)
+        # Only `Bearer KEY` (the scheme is case-insensitive, RFC 9110 11.1): a bare key, or any
+        # other scheme, is no key at all.
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode()
+        return scheme.lower() == "bearer" and bool(given) and any(hmac.compare_digest(given, k) for k in self.keys)
 
     def app(self) -> ASGIApp:
         async def models(request: Request) -> Response:

@@ -12,7 +12,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from reconciler.store import Store
+from reconciler.state_store import StateStore
 from tests.agents import SECRET, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import Fleet, chat, import_model, three_node_fleet
@@ -114,8 +114,8 @@ def test_apply_without_a_terminal_asks_for_auto_approve(fleet: Fleet) -> None:
 
 
 def test_a_held_lock_names_its_holder_and_unlock_releases_it(fleet: Fleet) -> None:
-    store = Store(fleet.state_dir)
-    lock, _ = store.acquire("fleet apply (held by the test)")  # this process is alive: not taken over
+    store = StateStore(fleet.state_dir)
+    lock, _ = store.applies.acquire("fleet apply (held by the test)")  # this process is alive: not taken over
     try:
         applied = fleet.run("apply", "--auto-approve")
         assert applied.returncode == 5
@@ -124,7 +124,7 @@ def test_a_held_lock_names_its_holder_and_unlock_releases_it(fleet: Fleet) -> No
     finally:
         unlocked = subprocess.run([fleet_bin(), "unlock", lock.id, "--state-dir", str(fleet.state_dir)],
                                   capture_output=True, text=True, timeout=60)
-        assert unlocked.returncode == 0 and store.holder() is None
+        assert unlocked.returncode == 0 and store.applies.holder() is None
         store.close()
 
 
@@ -145,7 +145,8 @@ def test_a_killed_apply_leaves_a_lock_the_next_apply_takes_over(fleet: Fleet) ->
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
-    assert Store(fleet.state_dir).holder() is not None  # the dead apply's lock is still there
+    with StateStore(fleet.state_dir) as store:
+        assert store.applies.holder() is not None  # the dead apply's lock is still there
     applied = fleet.run("apply", "--auto-approve")
     assert applied.returncode == 0, applied.stdout + applied.stderr
     assert "took over the lock of a process that is gone" in applied.stderr

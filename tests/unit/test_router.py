@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+from reconciler.observed import node_from_state
 from reconciler.serve.heartbeat import View
 from reconciler.serve.router import Router
 
@@ -34,8 +35,8 @@ def view(states: dict[str, str | None]) -> View:
         v.online[node] = state != "offline"
         servers = [] if state in (None, "offline") else [{"id": f"chat@{node}", "state": state, "model": DIGEST,
                                                            "reason": "exited with code 1\nTraceback..."}]
-        v.states[node] = {"servers": servers, "inventory": {"disk": {"path": HOME[node]}},
-                          "weights": [{"path": HOME[node] + "/store/models/abc"}]}
+        v.nodes[node] = node_from_state(node, {"servers": servers, "inventory": {"disk": {"path": HOME[node]}},
+                                               "weights": [{"digest": DIGEST, "path": HOME[node] + "/store/models/abc"}]})
     return v
 
 

@@ -1,4 +1,6 @@
-"""The control plane's SQLite store: the apply lock and apply history (WAL: safe beside `fleet serve`)."""
+"""The control plane's state directory, one SQLite file (WAL: `fleet apply` and `fleet serve` share
+it): the apply lock and the history of applies (ApplyLedger), and what `fleet serve` last saw, node
+status, a row per cluster member, alerts (ServeRecord), which `fleet nodes` and `fleet alerts` read."""
 
 from __future__ import annotations
 
@@ -73,27 +75,34 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class Store:
+class StateStore:
+    """The file (fleet.sqlite under the state directory; the schema is kept compatible) and its two halves."""
+
     def __init__(self, state_dir: Path) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.path = state_dir / "fleet.sqlite"
         self.db = sqlite3.connect(self.path, timeout=10, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
+        self.applies = ApplyLedger(self.db)
+        self.serve = ServeRecord(self.db)
 
     def close(self) -> None:
         self.db.close()
 
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
-        """One commit (one fsync) for many writes: a heartbeat writes a row per node and member."""
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
+    def __enter__(self) -> StateStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ApplyLedger:
+    """The apply lock (one holder at a time, taken over from a dead process on the same host) and
+    the history of applies with each action's result."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
 
     def acquire(self, command: str) -> tuple[Holder, Holder | None]:
         """(our lock, the dead holder we took over from, if any). Raises LockHeld."""
@@ -125,7 +134,29 @@ class Store:
         row = self.db.execute("SELECT id, host, pid, user, since, command FROM lock").fetchone()
         return Holder(*row) if row else None
 
-    # ---- what `fleet serve` keeps, and `fleet nodes` / `fleet alerts` read ----
+    def record_apply(self, started: str, config_digest: str, summary: str, results: list[dict[str, Any]]) -> None:
+        self.db.execute("INSERT INTO applies (started, finished, config_digest, summary, results) VALUES (?,?,?,?,?)",
+                        (started, datetime.now(timezone.utc).isoformat(timespec="seconds"), config_digest, summary,
+                         json.dumps(results)))
+
+
+class ServeRecord:
+    """What the heartbeat of `fleet serve` last saw: each node's status and state, a row per
+    cluster member, and alerts raised and cleared."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One commit (one fsync) for many writes: a heartbeat writes a row per node and member."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
 
     def put_node(self, name: str, status: str, when: str, *, state: dict[str, Any] | None, error: str | None) -> None:
         if state is not None:
@@ -174,8 +205,3 @@ class Store:
         sql += "" if include_cleared else " WHERE cleared_at IS NULL"
         keys = ("id", "node", "kind", "cause", "raised_at", "cleared_at")
         return [dict(zip(keys, r)) for r in self.db.execute(sql + " ORDER BY id")]
-
-    def record_apply(self, started: str, config_digest: str, summary: str, results: list[dict[str, Any]]) -> None:
-        self.db.execute("INSERT INTO applies (started, finished, config_digest, summary, results) VALUES (?,?,?,?,?)",
-                        (started, datetime.now(timezone.utc).isoformat(timespec="seconds"), config_digest, summary,
-                         json.dumps(results)))

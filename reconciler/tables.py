@@ -1,0 +1,109 @@
+"""`fleet nodes`, `fleet alerts`, `fleet unlock`: read (or release) what the state directory keeps
+and print it; nodes are read as typed observations (reconciler/observed.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from . import config
+from .exitcodes import Exit
+from .model import NodeSpec
+from .observed import ObservedNode, node_from_state
+from .render import console
+from .state_store import StateStore, default_state_dir
+
+
+def _open(args: argparse.Namespace) -> StateStore:
+    return StateStore(Path(args.state_dir) if args.state_dir else default_state_dir())
+
+
+def cmd_unlock(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        holder = store.applies.holder()
+        if holder is None:
+            console(stderr=True).print("no lock is held")
+            return Exit.OK
+        if holder.id != args.lock_id:
+            console(stderr=True).print(f"[red]error:[/] the lock is held by {holder.describe()}, not {args.lock_id}")
+            return Exit.FAILURE
+        store.applies.release(holder.id)
+    console(stderr=True).print(f"released the lock of {holder.describe()}")
+    return Exit.OK
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def _columns(name: str, seen: ObservedNode | None, spec: NodeSpec | None, wide: bool) -> list[str]:
+    """GPUS, MODELS and, when wide, ADDRESS … WINDOWS of one node ("-" where nothing was seen)."""
+    if seen is None:
+        seen = ObservedNode(name)
+    gpus = ", ".join(f"{_gib(free)}/{_gib(total)}" for _, free, total in seen.gpus)
+    models = ", ".join((w.name or w.digest[7:19]) + (f"[{w.layers}]" if w.slice_of else "")
+                       for w in seen.weights.values())
+    row = [gpus or "-", models or "-"]
+    if wide:
+        row += [f"{spec.address}:{spec.agent_port}" if spec else "-", seen.identity or "-",
+                seen.agent_version or "-", seen.accelerator or "-", ", ".join(seen.windows) or "always"]
+    return row
+
+
+def cmd_nodes(args: argparse.Namespace, path: str) -> int:
+    from rich.table import Table
+
+    with _open(args) as store:
+        nodes, rows, alerts = store.serve.nodes(), store.serve.server_rows(), store.serve.alerts()
+    loaded = config.load(path) if Path(path).is_file() else None  # for addresses, when the file is here
+    specs = loaded.desired.nodes if loaded is not None and loaded.desired is not None else {}
+    if args.json:
+        print(json.dumps({"nodes": nodes, "servers": rows, "alerts": alerts}, indent=2))
+        return Exit.OK
+    if not nodes:
+        console(stderr=True).print("no node has been seen yet: `fleet serve` records what its heartbeat finds")
+        return Exit.OK
+    table = Table(box=None, pad_edge=False)
+    for col in ["NODE", "STATUS", "LAST SEEN", "GPUS (FREE/TOTAL GiB)", "MODELS", "SERVERS"] + (
+            ["ADDRESS", "IDENTITY", "VERSION", "VARIANT", "WINDOWS"] if args.wide else []):
+        table.add_column(col, overflow="fold" if args.wide else "ellipsis", no_wrap=not args.wide)
+    failures = []
+    for n in nodes:
+        # The last state a node reported is kept while it is offline: shown for what it held.
+        seen = node_from_state(n["name"], n["state"]) if n["state"] else None
+        gpus, models, *wide = _columns(n["name"], seen, specs.get(n["name"]), args.wide)
+        servers = ", ".join(f"{r['cluster']}:{r['state']}" for r in rows if r["node"] == n["name"])
+        table.add_row(n["name"], n["status"], n["last_seen"] or "never", gpus, models, servers or "-", *wide)
+        if n["error"]:
+            failures.append(f"{n['name']}: {n['error']}")
+    for r in rows:
+        if r["reason"] and r["state"] not in ("running",):
+            failures.append(f"{r['id']} ({r['state']}): {r['reason']}")
+    out = console(stderr=False)
+    if not out.is_terminal:
+        out.width = 250  # a pipe or CI log: do not squeeze the table into 80 columns
+    out.print(table)
+    for a in alerts:
+        out.print(f"[red]ALERT[/] {a['kind']} {a['node']} since {a['raised_at']}: {a['cause']}")
+    if args.wide and failures:
+        out.print("\nfailures, in full:")
+        for f in failures:
+            out.print(f"  {f}", markup=False)
+    return Exit.OK
+
+
+def cmd_alerts(args: argparse.Namespace, path: str) -> int:
+    with _open(args) as store:
+        alerts: list[dict[str, Any]] = store.serve.alerts(include_cleared=args.all)
+    if args.json:
+        print(json.dumps(alerts, indent=2))
+        return Exit.OK
+    if not alerts:
+        console(stderr=False).print("no alerts" if not args.all else "no alerts recorded")
+    for a in alerts:
+        state = f"cleared {a['cleared_at']}" if a["cleared_at"] else "OPEN"
+        console(stderr=False).print(f"{a['kind']} {a['node']} raised {a['raised_at']} ({state}): {a['cause']}",
+                                    markup=False)
+    return Exit.OK
