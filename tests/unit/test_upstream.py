@@ -1,57 +1,73 @@
-"""The router's chunked-body decoder, fed every split of a real chunked body (the socket read is
-replaced by a list of pieces, so that each piece arrives on its own)."""
+"""The router's chunked-body decoder, fed every split of a real chunked body over a real socket
+pair: each piece is sent only once the reader has taken the one before, so it arrives on its own."""
 
 from __future__ import annotations
 
 import functools
+import socket
 
 import pytest
 import trio
+import trio.testing
 
 from reconciler import sockio
-from reconciler.serve import upstream
 from reconciler.serve.upstream import UpstreamError, UpstreamResponse
 
 EVENTS = [b"data: {\"a\": 1}\n\n", b"data: {\"b\": 22}\n\n", b"x" * 300, b"data: [DONE]\n\n"]
 CHUNKED = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) for e in EVENTS) + b"0\r\n\r\n"
 
 
-@pytest.fixture(autouse=True)
-def pieces(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
-    arriving: list[bytes] = []
-
-    async def receive(sock: object, size: int) -> bytes:
-        return arriving.pop(0) if arriving else b""
-    monkeypatch.setattr(upstream.sockio, "receive", receive)
-    return arriving
-
-
-def body(pieces: list[bytes], headers: dict[str, str], rest: bytes = b"") -> bytes:
-    async def go() -> bytes:
-        r = UpstreamResponse(None, 200, headers, rest)  # type: ignore[arg-type]
-        return b"".join([c async for c in r.chunks()])
+def received(pieces: list[bytes], headers: dict[str, str], rest: bytes = b"") -> tuple[bytes, bool]:
+    """(the body read, whether the connection was left reusable) once the worker's end sent each
+    piece in turn and then closed."""
+    async def go() -> tuple[bytes, bool]:
+        ours, theirs = socket.socketpair()
+        sockio.prepare(ours)
+        response = UpstreamResponse(ours, 200, headers, rest)
+        error: UpstreamError | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                async def worker() -> None:
+                    for piece in pieces:
+                        await trio.testing.wait_all_tasks_blocked()  # the reader waits for more
+                        theirs.sendall(piece)
+                    await trio.testing.wait_all_tasks_blocked()
+                    theirs.close()
+                nursery.start_soon(worker)
+                try:
+                    out = b"".join([c async for c in response.chunks()])
+                except UpstreamError as exc:
+                    error = exc
+                    nursery.cancel_scope.cancel()
+            if error is not None:
+                raise error
+            return out, response.reusable
+        finally:
+            theirs.close()
+            sockio.close(ours)
     return trio.run(go)
 
 
+def body(pieces: list[bytes], headers: dict[str, str], rest: bytes = b"") -> bytes:
+    return received(pieces, headers, rest)[0]
+
+
 @pytest.mark.parametrize("cut", range(0, len(CHUNKED) + 1, 7))
-def test_chunked_split_anywhere(pieces: list[bytes], cut: int) -> None:
-    pieces.append(CHUNKED[cut:])
-    assert body(pieces, {"transfer-encoding": "chunked"}, rest=CHUNKED[:cut]) == b"".join(EVENTS)
+def test_chunked_split_anywhere(cut: int) -> None:
+    assert body([CHUNKED[cut:]], {"transfer-encoding": "chunked"}, rest=CHUNKED[:cut]) == b"".join(EVENTS)
 
 
-def test_chunked_byte_by_byte(pieces: list[bytes]) -> None:
-    pieces.extend(CHUNKED[i:i + 1] for i in range(len(CHUNKED)))
+def test_chunked_byte_by_byte() -> None:
+    pieces = [CHUNKED[i:i + 1] for i in range(len(CHUNKED))]
     assert body(pieces, {"transfer-encoding": "chunked"}) == b"".join(EVENTS)
 
 
-def test_content_length_body(pieces: list[bytes]) -> None:
-    pieces.extend([b"hello", b" world", b"IGNORED"])
-    assert body(pieces, {"content-length": "11"}) == b"hello world"
+def test_content_length_body() -> None:
+    assert body([b"hello", b" world", b"IGNORED"], {"content-length": "11"}) == b"hello world"
 
 
-def test_a_body_without_length_ends_with_the_connection(pieces: list[bytes]) -> None:
-    pieces.extend([b"hello", b" world"])
-    assert body(pieces, {}) == b"hello world"
+def test_a_body_without_length_ends_with_the_connection() -> None:
+    assert body([b"hello", b" world"], {}) == b"hello world"
 
 
 @pytest.mark.parametrize("arrives, headers, error", [
@@ -59,25 +75,18 @@ def test_a_body_without_length_ends_with_the_connection(pieces: list[bytes]) -> 
     ([b"zz\r\nabc\r\n"], {"transfer-encoding": "chunked"}, "malformed"),
     ([b"abc"], {"content-length": "10"}, "7 bytes before the end"),
 ], ids=["truncated-chunked", "malformed-size", "short-content-length"])
-def test_truncated_and_malformed_bodies_are_errors(pieces: list[bytes], arrives: list[bytes],
-                                                   headers: dict[str, str], error: str) -> None:
-    pieces.extend(arrives)
+def test_truncated_and_malformed_bodies_are_errors(arrives: list[bytes], headers: dict[str, str], error: str) -> None:
     with pytest.raises(UpstreamError, match=error):
-        body(pieces, headers)
+        body(arrives, headers)
 
 
 @pytest.mark.parametrize("data, reusable", [(CHUNKED, True), (CHUNKED[:-2], False)], ids=["clean", "no-final-line"])
 def test_a_clean_chunked_end_leaves_the_connection_reusable(data: bytes, reusable: bool) -> None:
-    async def go() -> bool:
-        r = UpstreamResponse(None, 200, {"transfer-encoding": "chunked"}, data)  # type: ignore[arg-type]
-        _ = [c async for c in r.chunks()]
-        return r.reusable
-    assert trio.run(go) is reusable
+    assert received([], {"transfer-encoding": "chunked"}, data) == (b"".join(EVENTS), reusable)
 
 
-def test_a_stale_pooled_connection_is_retried_on_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stale_pooled_connection_is_retried_on_a_fresh_one() -> None:
     from reconciler.serve.upstream import Pool, post
-    monkeypatch.undo()  # real sockets here
 
     async def main() -> None:
         async def handler(stream: trio.SocketStream) -> None:
@@ -103,9 +112,8 @@ def test_a_stale_pooled_connection_is_retried_on_a_fresh_one(monkeypatch: pytest
     trio.run(main)
 
 
-def test_a_malformed_content_length_is_an_error_before_anything_is_relayed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_malformed_content_length_is_an_error_before_anything_is_relayed() -> None:
     from reconciler.serve.upstream import post
-    monkeypatch.undo()  # real sockets here
 
     async def main() -> None:
         async def handler(stream: trio.SocketStream) -> None:
