@@ -13,8 +13,8 @@ from typing import Any
 from . import schema, source
 from .diagnostics import Diagnostic, error, format_path, has_errors, warning
 from .model import (DEFAULT_AGENT_PORT, DEFAULT_LISTEN, DEFAULT_STARTUP_TIMEOUT_S, ClusterSpec,
-                    ControlPlaneSpec, Desired, LayerRange, ModelSpec, NodeSpec, ReplicaSpec, Settings,
-                    SpeculativeSpec)
+                    ControlPlaneSpec, Desired, LayerRange, ModelSpec, NodeSpec, ReplicaSpec, ServeTlsSpec,
+                    Settings, SpeculativeSpec)
 from .source import Document, YamlPath
 
 
@@ -277,5 +277,7 @@ def _build(data: dict[str, Any]) -> Desired:
                                      settings=settings)
     return Desired(version=data["version"],
                    control_plane=ControlPlaneSpec(node=cp["node"], listen=cp.get("listen", DEFAULT_LISTEN),
-                                                  api_keys_env=cp.get("api_keys_env")),
+                                                  api_keys_env=cp.get("api_keys_env"),
+                                                  tls=ServeTlsSpec(cp["tls"]["cert"], cp["tls"]["key"])
+                                                  if "tls" in cp else None),
                    nodes=nodes, models=models, replicas=replicas, clusters=clusters)

@@ -91,10 +91,19 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ServeTlsSpec:
+    """control_plane.tls: the certificate (PEM, chain included) and key `fleet serve` answers with."""
+
+    cert: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class ControlPlaneSpec:
     node: str
     listen: str = DEFAULT_LISTEN
     api_keys_env: str | None = None
+    tls: ServeTlsSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,10 @@ class ServeMetrics:
         self.requests = Counter("fleet_requests_total", "Client requests by cluster and HTTP status",
                                 ["cluster", "status"], registry=self.registry)
         self.streams = Gauge("fleet_streams_in_flight", "Streams being relayed now", registry=self.registry)
+        self.connections = Gauge("fleet_client_connections", "Client connections open now", registry=self.registry)
+        self.connections_dropped = Counter("fleet_client_connections_dropped_total",
+                                           "Client connections closed to stay within the cap: evicted (idle the "
+                                           "longest) or refused (all busy)", ["reason"], registry=self.registry)
         self.relay_bytes = Counter("fleet_relay_bytes_total", "Bytes relayed to clients", registry=self.registry)
         self.node_up = Gauge("fleet_node_up", "1 when the node answered the last heartbeat", ["node"],
                              registry=self.registry)

@@ -1,20 +1,23 @@
-"""Run `fleet serve`: the heartbeat and the router in one trio process, until SIGINT/SIGTERM."""
+"""Run `fleet serve`: the heartbeat and the router in one trio process, until SIGINT/SIGTERM (SIGHUP
+reloads the TLS certificate)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import ssl
 
 import trio
 
 from ..client import AgentClient
 from ..model import Desired
 from ..store import Store
-from .front import Front
+from .front import Front, raise_descriptor_limit
 from .heartbeat import Heartbeat
 from .metrics import ServeMetrics
 from .router import Router
+from .streams import ServerTls, TlsFiles
 
 log = logging.getLogger("fleet")
 
@@ -34,29 +37,47 @@ def api_keys(desired: Desired) -> list[str] | None:
     return keys
 
 
+def server_tls(desired: Desired) -> ServerTls | None:
+    spec = desired.control_plane.tls
+    if spec is None:
+        return None
+    try:
+        return ServerTls(TlsFiles(spec.cert, spec.key))
+    except (OSError, ssl.SSLError) as exc:
+        raise ServeRefused(f"control_plane.tls: cannot load {spec.cert} with {spec.key}: {exc}") from None
+
+
 async def serve(desired: Desired, secret: str, store: Store, *, interval: float, misses: int,
                 timeout: float) -> None:
     keys = api_keys(desired)
+    tls = server_tls(desired)
+    raise_descriptor_limit()  # the front's connection cap follows it
     async with AgentClient(secret, timeout=timeout) as client:
         metrics = ServeMetrics()
         heartbeat = Heartbeat(desired, client, store, interval=interval, misses=misses, timeout=timeout,
                               on_beat=metrics.beat_seconds.observe)
         router = Router(desired, heartbeat.view, api_keys=keys, metrics=metrics)
         host, _, port = desired.control_plane.listen.rpartition(":")
-        front = Front(router.app())
+        front = Front(router.app(), tls=tls, on_drop=lambda reason: metrics.connections_dropped.labels(reason).inc())
+        metrics.connections.set_function(lambda: front.live)
         listeners = front.listen(host.strip("[]"), int(port))
         stop = trio.Event()
 
         async def on_signal() -> None:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+                async for sig in signals:
+                    if sig == signal.SIGHUP:  # a renewed certificate, without dropping a connection
+                        if tls is not None:
+                            tls.reload()
+                        continue
                     stop.set()
                     return
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(on_signal)
             await nursery.start(heartbeat.run)
-            log.info("serving %d clusters on http://%s (heartbeat every %gs)", len(desired.clusters),
-                     desired.control_plane.listen, interval)
+            log.info("serving %d clusters on %s://%s (heartbeat every %gs, at most %d client connections)",
+                     len(desired.clusters), "https" if tls else "http", desired.control_plane.listen, interval,
+                     front.cap)
             await front.serve(listeners, stop)
             nursery.cancel_scope.cancel()
