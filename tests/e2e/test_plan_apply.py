@@ -163,7 +163,7 @@ def test_a_failed_action_gives_exit_7_and_skips_its_dependents(fleet: Fleet) -> 
                          f"  good: {{model: tiny-q, members: [cp], port: {free_port('127.0.0.2')}}}")
     applied = fleet.run("apply", "--auto-approve")
     assert applied.returncode == 7, applied.stdout + applied.stderr
-    assert "✗ start server.bad@cp" in applied.stdout and "broken.gguf" in applied.stdout
+    assert "✗ start server.bad@cp: [server_failed]" in applied.stdout and "broken.gguf" in applied.stdout
     assert "✓ start server.good@cp" in applied.stdout  # what does not depend on the failure finishes
     fleet.write(replicas="  tiny: [a]")  # the fix: drop the broken cluster; the next apply converges
     assert fleet.run("apply", "--auto-approve").returncode == 0
