@@ -1,5 +1,5 @@
 """fleet-agent: runs on every machine that computes; reports what it has, does what it is told."""
 
-from reconciler import __version__
+from wire import __version__
 
 __all__ = ["__version__"]

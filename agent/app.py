@@ -19,8 +19,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import environment, inventory, windows
-from . import manifest as mf
+from wire import manifest as mf
+from wire import windows
+from wire.layers import LayerRange, LayerRangeError
+
+from . import environment, inventory
 from .blobs import BlobResponse
 from .fetch import Fetcher
 from .identity import Identity
@@ -167,15 +170,18 @@ def create_app(ctx: AgentContext) -> ASGIApp:
         name = body.get("name", "")
         if not isinstance(name, str) or len(name) > 256 or "\x00" in name:
             return error_response(400, "bad_request", "name must be a string of at most 256 characters")
-        layers, source = body.get("layers"), body.get("source_digest")
+        layers, source, rng = body.get("layers"), body.get("source_digest"), None
         if layers is not None:
             if not isinstance(layers, str):
                 return error_response(400, "bad_layers", "layers must be a string FIRST-LAST")
-            mf.parse_layers(layers)
+            try:
+                rng = LayerRange.parse(layers)
+            except LayerRangeError as exc:
+                return error_response(400, "bad_request", str(exc))
             if not isinstance(source, str):
                 return error_response(400, "bad_request", "a slice needs source_digest: the full model's digest")
             mf.check_digest(source)
-        job = ctx.fetcher.request(digest, peer, name, source, layers)
+        job = ctx.fetcher.request(digest, peer, name, source, rng)
         return JSONResponse(job.to_json(), status_code=202)
 
     async def get_weights(request: Request) -> Response:

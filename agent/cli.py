@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from wire.windows import Window
+
 from . import __version__, environment, identity, inventory
-from .windows import Window
 
 DEFAULT_HOME = "/var/lib/fleet-agent"
 DEFAULT_PORT = 7070

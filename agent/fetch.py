@@ -14,7 +14,9 @@ from typing import Any, Callable
 
 import trio
 
-from . import manifest as mf
+from wire import manifest as mf
+from wire.layers import LayerRange
+
 from .peerhttp import PeerError, get, get_bytes
 from .store import CHUNK, Store, fsync_dir
 
@@ -29,7 +31,7 @@ class Job:
     peer: str
     name: str
     source_digest: str | None = None
-    layers: str | None = None
+    layers: LayerRange | None = None
     state: str = "fetching"  # fetching → present | failed
     bytes_total: int = 0
     bytes_done: int = 0  # verified or on disk, counting what a resume found
@@ -40,7 +42,8 @@ class Job:
 
     def to_json(self) -> dict[str, Any]:
         elapsed = (self.finished or time.monotonic()) - self.started
-        return {"digest": self.digest, "state": self.state, "peer": self.peer, "layers": self.layers,
+        return {"digest": self.digest, "state": self.state, "peer": self.peer,
+                "layers": None if self.layers is None else str(self.layers),
                 "bytes_total": self.bytes_total, "bytes_done": self.bytes_done,
                 "bytes_fetched": self.bytes_fetched,
                 "rate_bytes_per_s": round(self.bytes_fetched / elapsed) if elapsed > 0 else 0,
@@ -70,7 +73,7 @@ class Fetcher:
         self._locks: dict[str, trio.Lock] = {}
 
     def request(self, digest: str, peer: str, name: str = "", source_digest: str | None = None,
-                layers: str | None = None) -> Job:
+                layers: LayerRange | None = None) -> Job:
         """Start a fetch, or join the one already running for this digest."""
         job = self.jobs.get(digest)
         if job is not None and job.state == "fetching":

@@ -16,8 +16,9 @@ from urllib.parse import urlsplit
 
 import trio
 
+from wire.http import MAX_HEAD, HeadTooLarge, MalformedHead, split_head
+
 RECV = 1 << 20
-MAX_HEAD = 64 * 1024
 BULK = 8 << 20  # bodies larger than this are received in a worker thread
 IDLE_TIMEOUT = 60.0  # a peer that sends nothing for this long is given up on (the fetch can resume)
 
@@ -54,16 +55,6 @@ class PeerError(Exception):
         self.resumable = resumable
 
 
-def parse_head(head: bytes) -> tuple[int, dict[str, str]] | None:
-    """(status, lower-cased headers) of an HTTP/1.1 response head, or None if the status line is bad."""
-    lines = head.decode("latin-1").split("\r\n")
-    try:
-        status = int(lines[0].split(" ", 2)[1])
-    except (IndexError, ValueError):
-        return None
-    return status, {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-
-
 async def _connect(base: str, ssl_context: ssl.SSLContext | None) -> tuple[trio.abc.Stream, str]:
     parts = urlsplit(base)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
@@ -91,22 +82,22 @@ async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | byte
         try:
             await stream.send_all(request.encode())
             buf = b""
-            while b"\r\n\r\n" not in buf:
-                chunk = await stream.receive_some(RECV)
-                if not chunk:
-                    raise PeerError(f"peer {base} closed the connection before answering {path}", resumable=True)
-                buf += chunk
-                if len(buf) > MAX_HEAD and b"\r\n\r\n" not in buf:
-                    raise PeerError(f"peer {base} sent an oversized response head for {path}")
-            head, _, body = buf.partition(b"\r\n\r\n")
-            parsed = parse_head(head)
-            if parsed is None:
-                raise PeerError(f"peer {base} sent a malformed status line {head[:80]!r}")
-            status, headers = parsed
-            length_text = headers.get("content-length")
-            if length_text is None or not length_text.isdigit():
+            try:
+                while (split := split_head(buf)) is None:
+                    chunk = await stream.receive_some(RECV)
+                    if not chunk:
+                        raise PeerError(f"peer {base} closed the connection before answering {path}",
+                                        resumable=True)
+                    buf += chunk
+                head, body = split
+                length = head.content_length()
+            except HeadTooLarge:
+                raise PeerError(f"peer {base} sent an oversized response head for {path}") from None
+            except MalformedHead as exc:
+                raise PeerError(f"peer {base} sent a {exc} for {path}") from None
+            if length is None:
                 raise PeerError(f"peer {base} sent no Content-Length for {path}")
-            length = int(length_text)
+            status = head.status
             if status not in (200, 206):
                 while len(body) < min(length, MAX_HEAD):
                     more = await stream.receive_some(RECV)

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import manifest as mf
+from wire import manifest as mf
 
 CHUNK = 1 << 20
 _SKIP_DIRS = {".git", ".cache", "__pycache__"}

@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from wire.layers import LayerRange, LayerRangeError
+
 from . import schema, source
 from .diagnostics import Diagnostic, error, format_path, has_errors, warning
 from .model import (DEFAULT_AGENT_PORT, DEFAULT_LISTEN, DEFAULT_STARTUP_TIMEOUT_S, ClusterSpec,
-                    ControlPlaneSpec, Desired, LayerRange, ModelSpec, NodeSpec, ReplicaSpec, ServeTlsSpec,
-                    Settings, SpeculativeSpec)
+                    ControlPlaneSpec, Desired, ModelSpec, NodeSpec, ReplicaSpec, ServeTlsSpec, Settings,
+                    SpeculativeSpec)
 from .source import Document, YamlPath
 
 
@@ -55,8 +57,9 @@ def load_text(text: str, filename: str) -> Loaded:
     diags += schema.validate(doc)
     if has_errors(diags):
         return Loaded(filename, None, tuple(diags), doc, None, text)
-    diags += _Checker(doc).run()
-    desired = None if has_errors(diags) else _build(doc.data)
+    checker = _Checker(doc)
+    diags += checker.run()
+    desired = None if has_errors(diags) else _build(doc.data, checker.layers)
     digest = "sha256:" + hashlib.sha256(
         json.dumps(doc.data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return Loaded(filename, desired, tuple(diags), doc, digest, text)
@@ -71,6 +74,8 @@ class _Checker:
         self.nodes: dict[str, Any] = self.data["nodes"]
         self.models: dict[str, Any] = self.data.get("models", {})
         self.diags: list[Diagnostic] = []
+        # Each slice's range as parsed while checking, by (model, index), for _build.
+        self.layers: dict[tuple[str, int], LayerRange] = {}
 
     def add(self, code: str, path: YamlPath, summary: str, detail: str = "", *, key: bool = False,
             severity: str = "error") -> None:
@@ -135,11 +140,12 @@ class _Checker:
                 holders[model_name].add(node)
                 if isinstance(item, dict) and "layers" in item:
                     lpath = ("replicas", model_name, i, "layers")
-                    rng = LayerRange.parse(item["layers"])
-                    if rng.first > rng.last:
-                        self.add("invalid_layers", lpath, f"layer range {item['layers']!r} runs backwards",
-                                 f"Write FIRST-LAST with FIRST <= LAST, e.g. {rng.last}-{rng.first}.")
+                    try:
+                        rng = LayerRange.parse(item["layers"])
+                    except LayerRangeError as exc:
+                        self.add("invalid_layers", lpath, str(exc), _layers_hint(item["layers"]))
                         continue
+                    self.layers[(model_name, i)] = rng
                     if known and model.get("format") == "gguf":
                         self.add("slice_unsupported", lpath,
                                  f"model {model_name!r} is GGUF: only safetensors models can be sliced by layers")
@@ -248,7 +254,13 @@ def _suggest(name: str, known: dict[str, Any], section: str) -> str:
     return f"Declared {section}: {', '.join(known) or 'none'}."
 
 
-def _build(data: dict[str, Any]) -> Desired:
+def _layers_hint(text: str) -> str:
+    first, _, last = text.partition("-")
+    example = f"{last}-{first}" if first.isdigit() and last.isdigit() else "0-39"
+    return f"Write FIRST-LAST with FIRST <= LAST, e.g. {example}."
+
+
+def _build(data: dict[str, Any], layers: dict[tuple[str, int], LayerRange]) -> Desired:
     cp = data["control_plane"]
     nodes = {name: NodeSpec(name=name, address=n["address"], agent_port=n.get("agent_port", DEFAULT_AGENT_PORT),
                             hostname=n.get("hostname"), identity=n.get("identity"), tls=n.get("tls", False),
@@ -259,10 +271,8 @@ def _build(data: dict[str, Any]) -> Desired:
                               encrypted=m.get("encrypted", False), layers=m.get("layers"))
               for name, m in data.get("models", {}).items()}
     replicas = tuple(
-        ReplicaSpec(model=model, node=item, layers=None) if isinstance(item, str)
-        else ReplicaSpec(model=model, node=item["node"],
-                         layers=LayerRange.parse(item["layers"]) if "layers" in item else None)
-        for model, items in data.get("replicas", {}).items() for item in items)
+        ReplicaSpec(model=model, node=item if isinstance(item, str) else item["node"], layers=layers.get((model, i)))
+        for model, items in data.get("replicas", {}).items() for i, item in enumerate(items))
     clusters = {}
     for name, c in data.get("clusters", {}).items():
         s = c.get("settings", {})

@@ -5,25 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from wire.layers import LayerRange
+
 DEFAULT_AGENT_PORT = 7070
 DEFAULT_LISTEN = "127.0.0.1:8080"
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class LayerRange:
-    """Inclusive range of layer indices, as written "FIRST-LAST"."""
-
-    first: int
-    last: int
-
-    @classmethod
-    def parse(cls, text: str) -> LayerRange:
-        first, _, last = text.partition("-")
-        return cls(int(first), int(last) if last else int(first))
-
-    def __str__(self) -> str:
-        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from agent import manifest as mf
-from agent.windows import Window, status
+from wire import manifest as mf
+from wire.ids import replica_address, server_address, server_id, split_server_id
+from wire.layers import LayerRange
+from wire.windows import Window, status
 
 from .diagnostics import Diagnostic, error, warning
 from .model import ClusterSpec, Desired, ModelSpec
@@ -27,7 +29,7 @@ class Want:
     model: ModelSpec
     digest: str
     bytes: int
-    layers: str | None = None
+    layers: LayerRange | None = None
     source_digest: str | None = None
 
     @property
@@ -115,12 +117,12 @@ class _Planner:
                                         f"The source {m.source!r} must hold it.", address=r.address))
                 continue
             try:
-                sliced = mf.make_slice(full, m.digest, str(r.layers))
+                sliced = mf.make_slice(full, m.digest, r.layers)
             except mf.ManifestError as exc:
                 self.diags.append(error("invalid_slice", f"layers {r.layers} of {m.name!r}: {exc}", address=r.address))
                 continue
             out[r.node][mf.digest_of(sliced)] = Want(m, mf.digest_of(sliced), sum(f["size"] for f in sliced["files"]),
-                                                     str(r.layers), m.digest)
+                                                     r.layers, m.digest)
         return out
 
     def model_bytes(self, m: ModelSpec) -> int:
@@ -141,7 +143,7 @@ class _Planner:
                     self.diags.append(error(
                         "encrypted_remote_unsupported",
                         f"encrypted model {want.model.name!r} cannot be replicated to {node!r}: encrypted weights "
-                        f"never leave the control plane's node ({self.cp!r})", address=f"replica.{want.address_model}@{node}"))
+                        f"never leave the control plane's node ({self.cp!r})", address=replica_address(want.address_model, node)))
                     continue
                 by_digest.setdefault(digest, []).append((node, want))
         for digest, targets in by_digest.items():
@@ -156,21 +158,21 @@ class _Planner:
                                f"no reachable node holds {w.model.name!r} ({full}) to replicate to {node!r}")
                     self.diags.append(error("source_missing", summary,
                                             f"Import it on {w.model.source!r}: fleet-agent import PATH.",
-                                            address=f"replica.{w.address_model}@{node}"))
+                                            address=replica_address(w.address_model, node)))
                 continue
             # Fan out: a node that will hold a verified copy serves the next ones, each peer at most
             # two, so N copies take about log2(N) rounds instead of N pulls from the source.
             peers = list(holders) + ([] if want.layers else [n for n, _ in targets])
             for i, (node, w) in enumerate(targets):
                 peer = peers[i // 2] if not w.layers else holders[i % len(holders)]
-                deps = (f"replica.{w.address_model}@{peer}",) if peer not in holders else ()
+                deps = (replica_address(w.address_model, peer),) if peer not in holders else ()
                 self.planned_bytes[node] = self.planned_bytes.get(node, 0) + w.bytes
                 details = {"model": w.model.name, "digest": w.digest, "format": w.model.format, "peer": peer,
                            "bytes": w.bytes}
                 if w.layers:
-                    details.update(layers=w.layers, source_digest=w.source_digest)
+                    details.update(layers=str(w.layers), source_digest=w.source_digest)
                 what = f"copy of layers {w.layers} of {w.model.name}" if w.layers else f"replica of {w.model.name}"
-                self.changes.append(Change(Action.REPLICATE, f"replica.{w.address_model}@{node}", node,
+                self.changes.append(Change(Action.REPLICATE, replica_address(w.address_model, node), node,
                                            f"{node} holds no {what}; fetch {w.bytes:,} bytes from {peer}", deps,
                                            details))
         for node, total in self.planned_bytes.items():
@@ -185,7 +187,7 @@ class _Planner:
         s = c.settings
         out: dict[str, Any] = {k: v for k, v in (("context_length", s.context_length), ("threads", s.threads),
                                                  ("batch_size", s.batch_size)) if v is not None}
-        address = f"server.{c.name}@{node}"
+        address = server_address(c.name, node)
         if s.tensor_parallel == "auto":
             out["tensor_parallel"] = max(1, len(obs.gpus))
             if node != self.cp:
@@ -215,7 +217,7 @@ class _Planner:
             model = self.d.models[c.model]
             previous: str | None = None
             for node in c.members:
-                sid, address = f"{c.name}@{node}", f"server.{c.name}@{node}"
+                sid, address = server_id(c.name, node), server_address(c.name, node)
                 desired_ids.add((node, sid))
                 if model.format == "gguf" and node != self.cp:
                     self.diags.append(error(
@@ -236,9 +238,9 @@ class _Planner:
                 host = self.d.nodes[node].address
                 details = {"cluster": c.name, "server_id": sid, "model": model.name, "digest": model.digest,
                            "port": c.port, "host": host, "settings": settings}
-                deps = [f"replica.{w.address_model}@{node}" for w in wants[node].values()
+                deps = [replica_address(w.address_model, node) for w in wants[node].values()
                         if w.digest in (model.digest, settings.get("speculative", {}).get("draft_digest"))
-                        and f"replica.{w.address_model}@{node}" in replicating]
+                        and replica_address(w.address_model, node) in replicating]
                 if previous:
                     deps.append(previous)
                 current = obs.servers.get(sid)
@@ -276,7 +278,7 @@ class _Planner:
             self.diags.append(error("insufficient_vram", f"{model.name!r} needs about {need / 2**30:.1f} GiB of "
                                     f"VRAM on {node!r} (weights + {int((VRAM_HEADROOM - 1) * 100)}% estimated for "
                                     f"context) but its {n} GPU(s) have {free / 2**30:.1f} GiB free",
-                                    address=f"server.{c.name}@{node}"))
+                                    address=server_address(c.name, node)))
 
     # ---- drift ----
 
@@ -286,7 +288,7 @@ class _Planner:
             for sid, srv in obs.servers.items():
                 if (node, sid) in desired_ids:
                     continue
-                address = f"server.{sid}@{node}" if "@" not in sid else f"server.{sid.split('@')[0]}@{node}"
+                address = server_address(split_server_id(sid)[0], node)
                 self.changes.append(Change(Action.STOP, address, node,
                                            f"{node} runs server {sid} ({srv.state}) that no cluster asks for",
                                            (), {"server_id": sid, "model": srv.model}, drift=True))
@@ -298,7 +300,7 @@ class _Planner:
                 name = next((m.name for m in self.d.models.values() if m.digest == full), digest[7:19])
                 if held.slice_of:
                     name = f"{name}[{held.layers}]"
-                self.changes.append(Change(Action.DELETE, f"replica.{name}@{node}", node,
+                self.changes.append(Change(Action.DELETE, replica_address(name, node), node,
                                            f"{node} holds {name} ({held.bytes:,} bytes) that no replica asks for",
                                            tuple(stopping.get(digest, ())), {"digest": digest}, drift=True))
         # A start waits for the stops on its node: they may free its port.

@@ -11,11 +11,12 @@ from typing import Any
 
 import yaml
 
-from agent import manifest as mf
 from reconciler import config
 from reconciler.observed import from_snapshot
 from reconciler.plan import Plan
 from reconciler.planner import plan
+from wire import manifest as mf
+from wire.layers import LayerRange
 
 CASES = Path(__file__).parent / "cases"
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)$")
@@ -66,7 +67,7 @@ def snapshot(fleet: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
             entry = {"digest": m["digest"], "format": m["format"], "bytes": size(w.get("bytes", "1G")),
                      "slice": None}
             if "layers" in w:
-                sliced = mf.make_slice(manifests[m["digest"]], m["digest"], w["layers"])
+                sliced = mf.make_slice(manifests[m["digest"]], m["digest"], LayerRange.parse(w["layers"]))
                 entry.update(digest=mf.digest_of(sliced), slice=sliced["slice"])
             if "digest" in w:
                 entry["digest"] = w["digest"]

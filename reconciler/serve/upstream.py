@@ -12,12 +12,11 @@ from typing import AsyncIterator
 
 import trio
 
-from agent.peerhttp import parse_head
+from wire.http import HeadError, HeadTooLarge, ResponseHead, split_head
 
 from .. import sockio
 
 READ = 64 * 1024
-MAX_HEAD = 64 * 1024
 CONNECT_TIMEOUT = 5.0
 
 
@@ -56,13 +55,12 @@ class UpstreamResponse:
         self.pool, self.key = pool, key
         self.reusable = False  # set when the body ended cleanly on a keep-alive connection
         self._buf, self._done, self._need = rest, False, 0
-        if "chunked" in headers.get("transfer-encoding", "").lower():
+        head = ResponseHead(status, headers)
+        if head.chunked:
             self._mode, self._left = "size", None
         else:
             self._mode = "plain"
-            self._left = int(headers["content-length"]) if "content-length" in headers else None
-            if self._left is not None and self._left < 0:
-                raise ValueError("negative Content-Length")
+            self._left = head.content_length()  # MalformedHead (a ValueError) for anything but digits
             self._done = self._left == 0
             self.reusable = self._done
 
@@ -172,27 +170,20 @@ async def _exchange(sock: socket.socket, host: str, port: int, path: str, body: 
                                 b"Content-Length: %d\r\nAccept: text/event-stream\r\n\r\n"
                           % (path.encode(), host.encode(), port, len(body)) + body)
         buf = b""
-        while b"\r\n\r\n" not in buf:
+        while (split := split_head(buf)) is None:
             more = await sockio.receive(sock, READ)
             if not more:
                 raise UpstreamError(f"{host}:{port} closed the connection without answering", started=False)
             buf += more
-            if len(buf) > MAX_HEAD and b"\r\n\r\n" not in buf:
-                raise UpstreamError(f"{host}:{port} sent an oversized response head", started=False)
+        head, rest = split
+        return UpstreamResponse(sock, head.status, head.headers, rest, pool, key)
     except (trio.ClosedResourceError, OSError) as exc:
         sockio.close(sock)
         raise UpstreamError(f"{host}:{port}: {exc}", started=False) from None
+    except HeadError as exc:
+        sockio.close(sock)
+        why = "an oversized response head" if isinstance(exc, HeadTooLarge) else f"a {exc}"
+        raise UpstreamError(f"{host}:{port} sent {why}", started=False) from None
     except BaseException:
         sockio.close(sock)
         raise
-    head, _, rest = buf.partition(b"\r\n\r\n")
-    parsed = parse_head(head)
-    if parsed is None:
-        sockio.close(sock)
-        raise UpstreamError(f"{host}:{port} sent a malformed status line", started=False)
-    status, headers = parsed
-    try:
-        return UpstreamResponse(sock, status, headers, rest, pool, key)
-    except ValueError:
-        sockio.close(sock)
-        raise UpstreamError(f"{host}:{port} sent a malformed Content-Length", started=False) from None

@@ -15,10 +15,11 @@ import httpx
 import pytest
 from safetensors.numpy import load_file
 
-from agent import manifest as mf
 from tests.agents import SECRET, Agent, free_port
 from tests.fleets import import_model
 from tests.models import tiny_gguf, tiny_safetensors
+from wire import manifest as mf
+from wire.layers import LayerRange
 
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
@@ -96,7 +97,7 @@ def test_slice_of_layers_2_3(trio_agents: list[Agent], models: tuple[Path, Path]
     a, _, c = trio_agents
     full_digest = import_model(a, models[0])
     full = json.loads(a.get(f"/v1/manifests/{full_digest}").content)
-    slice_digest = mf.digest_of(mf.make_slice(full, full_digest, "2-3"))  # what a plan promises
+    slice_digest = mf.digest_of(mf.make_slice(full, full_digest, LayerRange(2, 3)))  # what a plan promises
     assert put(c, slice_digest, a, source_digest=full_digest, layers="2-3").status_code == 202
     result = wait(c, slice_digest)
     assert result["state"] == "present", result

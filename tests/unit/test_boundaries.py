@@ -1,35 +1,144 @@
-"""The pure core stays pure: the planner and its data types import no I/O."""
+"""The architecture's arrows, enforced: `wire` imports neither side, `reconciler` and `agent` import
+each other never (only `wire`), and the pure core (the planner, its data types, all of `wire`)
+imports no I/O and has no async. Checked twice: by reading every file's imports, function-level ones
+included, and by importing the packages in a fresh interpreter and looking at what got loaded."""
 
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
 
+PACKAGES = ("wire", "reconciler", "agent")
+MAY_IMPORT = {"wire": {"wire"}, "reconciler": {"reconciler", "wire"}, "agent": {"agent", "wire"}}
+WIRE = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "wire").rglob("*.py"))
 PURE = ["reconciler/planner.py", "reconciler/plan.py", "reconciler/observed.py", "reconciler/model.py",
-        "reconciler/diagnostics.py", "agent/manifest.py", "agent/windows.py"]
-FORBIDDEN = {"os", "subprocess", "trio", "httpx", "socket", "time", "sqlite3", "shutil", "asyncio"}
+        "reconciler/diagnostics.py"] + WIRE
+FORBIDDEN = {"os", "subprocess", "trio", "httpx", "socket", "ssl", "select", "selectors", "threading", "time",
+             "sqlite3", "shutil", "asyncio", "pathlib", "starlette", "hypercorn", "httptools", "psutil"}
+# Loaded as a side effect of the standard library (importlib.metadata pulls in socket via email),
+# so the fresh-interpreter check looks for what only our own imports would bring.
+FORBIDDEN_LOADED = {"trio", "httpx", "subprocess", "sqlite3", "asyncio", "ssl", "starlette", "hypercorn"}
+# Engines and model tooling: a module importing one of these at its top runs in a worker process
+# or a test helper, and the fresh-interpreter check (which must not need the extras) skips it.
+ENGINES = {"torch", "transformers", "llama_cpp", "gguf", "safetensors", "numpy", "tokenizers", "fastapi",
+           "uvicorn", "accelerate", "pynvml"}
+
+
+def source_files(package: str) -> list[Path]:
+    return sorted(p for p in (ROOT / package).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(tree: ast.Module) -> set[str]:
+    """Top-level names of every absolute import in the file: at module level, inside functions,
+    under `if TYPE_CHECKING`, everywhere (relative imports stay inside their own package)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+ALL_FILES = [p for pkg in PACKAGES for p in source_files(pkg)]
+
+
+@pytest.mark.parametrize("path", ALL_FILES, ids=[str(p.relative_to(ROOT)) for p in ALL_FILES])
+def test_each_package_imports_only_the_packages_below_it(path: Path) -> None:
+    package = path.relative_to(ROOT).parts[0]
+    crossing = imported_modules(parse(path)) & (set(PACKAGES) - MAY_IMPORT[package])
+    assert not crossing, f"{path.relative_to(ROOT)} ({package}) imports {sorted(crossing)}: " \
+                         f"{package} may import only {sorted(MAY_IMPORT[package])}; shared contracts go in wire/"
 
 
 @pytest.mark.parametrize("path", PURE)
 def test_pure_modules_import_no_io(path: str) -> None:
-    tree = ast.parse((ROOT / path).read_text())
-    imported = set()
+    tree = parse(ROOT / path)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            imported.add(node.module.split(".")[0])
         assert not isinstance(node, (ast.AsyncFunctionDef, ast.Await)), f"{path} has async code"
-    assert imported & FORBIDDEN == set()
+    impure = imported_modules(tree) & FORBIDDEN
+    assert not impure, f"{path} imports {sorted(impure)}"
+
+
+def top_level_targets(path: Path) -> tuple[set[str], set[str]]:
+    """(third-party top-level names, our own modules) that `path` imports when it is loaded."""
+    name = module_name(path)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    outside, ours = set(), set()
+    for node in parse(path).body:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = (package[:len(package) - node.level + 1] if node.level else []) + \
+                   (node.module.split(".") if node.module else [])
+            names = [".".join(base)] + [".".join(base + [a.name]) for a in node.names]
+        else:
+            continue
+        for n in names:
+            if n.split(".")[0] in PACKAGES:
+                ours.add(n)
+            else:
+                outside.add(n.split(".")[0])
+    return outside, ours
+
+
+def importable(package: str) -> list[str]:
+    """Every module of `package` that the core install can import: none that needs an engine,
+    directly or through another of our modules."""
+    graph = {module_name(p): top_level_targets(p) for pkg in PACKAGES for p in source_files(pkg)}
+    needs_engine = {m for m, (outside, _) in graph.items() if outside & ENGINES}
+    while grown := {m for m, (_, ours) in graph.items() if m not in needs_engine and ours & needs_engine}:
+        needs_engine |= grown
+    return [m for m in graph if m.split(".")[0] == package and m not in needs_engine]
+
+
+def loaded_by(modules: list[str]) -> set[str]:
+    """sys.modules after importing `modules` in a fresh interpreter."""
+    code = ("import importlib, json, sys\n"
+            "for m in json.loads(sys.argv[1]): importlib.import_module(m)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(modules)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return set(json.loads(proc.stdout))
+
+
+def in_package(modules: set[str], package: str) -> set[str]:
+    return {m for m in modules if m == package or m.startswith(package + ".")}
+
+
+@pytest.mark.parametrize("package, other", [("reconciler", "agent"), ("agent", "reconciler")])
+def test_importing_one_side_loads_nothing_of_the_other(package: str, other: str) -> None:
+    modules = importable(package)
+    assert len(modules) > 10  # the whole package, not an empty list that proves nothing
+    loaded = loaded_by(modules)
+    assert not in_package(loaded, other), f"importing {package} loaded {sorted(in_package(loaded, other))}"
+
+
+def test_importing_wire_loads_neither_side_nor_any_io_library() -> None:
+    loaded = loaded_by(importable("wire"))
+    assert in_package(loaded, "wire") >= {module_name(ROOT / p) for p in WIRE}
+    assert not in_package(loaded, "reconciler") | in_package(loaded, "agent")
+    assert not loaded & FORBIDDEN_LOADED, sorted(loaded & FORBIDDEN_LOADED)
 
 
 def test_importing_the_planner_pulls_in_no_io_library() -> None:
-    code = ("import sys, reconciler.planner; bad = {'trio', 'httpx', 'subprocess', 'sqlite3'} & set(sys.modules); "
-            "print(sorted(bad)); sys.exit(1 if bad else 0)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    loaded = loaded_by(["reconciler.planner"])
+    assert not loaded & FORBIDDEN_LOADED, sorted(loaded & FORBIDDEN_LOADED)
+    assert not in_package(loaded, "agent")

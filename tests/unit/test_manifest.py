@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load
 
-from agent import manifest as mf
 from agent.store import Store
 from tests.models import tiny_safetensors
+from wire import manifest as mf
+from wire.layers import LayerRange
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +42,19 @@ def test_manifest_indexes_every_tensor_with_its_own_hash(imported: tuple[Store, 
 def test_slices_take_their_layers_and_the_right_aux(imported: tuple[Store, str, dict], layers: str,
                                                     has_embed: bool, has_head: bool, blocks: set[int]) -> None:
     store, digest, manifest = imported
-    s = mf.make_slice(manifest, digest, layers)
+    s = mf.make_slice(manifest, digest, LayerRange.parse(layers))
     names = {t["name"] for f in s["files"] if f.get("assembled") for t in f["tensors"]}
     assert ("model.embed_tokens.weight" in names) is has_embed
     assert ("lm_head.weight" in names) is has_head and ("model.norm.weight" in names) is has_head
     assert {mf.layer_of(n) for n in names} - {None} == blocks
     assert {f["path"] for f in s["files"]} >= {"config.json", "tokenizer.json", "model.safetensors"}
-    assert mf.digest_of(s) == mf.digest_of(mf.make_slice(manifest, digest, layers))  # deterministic
+    assert s["slice"]["layers"] == LayerRange.parse(layers).span  # "2" is recorded as "2-2": one spelling
+    assert mf.digest_of(s) == mf.digest_of(mf.make_slice(manifest, digest, LayerRange.parse(layers)))
 
 
 def test_slice_bytes_assembled_by_hand_load_as_safetensors(imported: tuple[Store, str, dict]) -> None:
     store, digest, manifest = imported
-    s = mf.make_slice(manifest, digest, "1-2")
+    s = mf.make_slice(manifest, digest, LayerRange(1, 2))
     f = next(f for f in s["files"] if f.get("assembled"))
     out = io.BytesIO()
     out.write(mf.slice_header(f["tensors"]))
@@ -67,8 +69,8 @@ def test_slice_bytes_assembled_by_hand_load_as_safetensors(imported: tuple[Store
 @pytest.mark.parametrize("layers, message", [("4-5", "outside the model"), ("3-1", "backwards"), ("x", "invalid")])
 def test_bad_slices_are_refused(imported: tuple[Store, str, dict], layers: str, message: str) -> None:
     _, digest, manifest = imported
-    with pytest.raises(mf.ManifestError, match=message):
-        mf.make_slice(manifest, digest, layers)
+    with pytest.raises(ValueError, match=message):  # ManifestError, or LayerRangeError before it
+        mf.make_slice(manifest, digest, LayerRange.parse(layers))
 
 
 @pytest.mark.parametrize("path", ["../x", "/etc/passwd", "a/../../b", "a\x00b", "a\\b", "", "x" * 300, "a//b"])

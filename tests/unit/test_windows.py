@@ -12,9 +12,9 @@ import trio
 from agent.app import AgentContext, create_app
 from agent.identity import Identity
 from agent.inventory import NoGpus
-from agent.windows import Window, status
 from reconciler.client import AgentClient
 from reconciler.model import NodeSpec
+from wire.windows import Window, status
 
 TZ = timezone(timedelta(hours=2))
 

@@ -13,10 +13,11 @@ import re
 import struct
 from typing import Any, BinaryIO
 
+from .layers import LayerRange
+
 MANIFEST_VERSION = 1
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 HEX_RE = re.compile(r"^[0-9a-f]{64}$")
-LAYERS_RE = re.compile(r"^(0|[1-9][0-9]{0,4})(?:-(0|[1-9][0-9]{0,4}))?$")
 _LAYER_OF = re.compile(r"(?:^|\.)(?:layers|h|blocks|blk)\.(\d+)\.")
 MAX_HEADER = 100 * 1024 * 1024
 SLICE_FILE = "model.safetensors"
@@ -90,17 +91,6 @@ def layer_of(tensor_name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def parse_layers(text: str) -> tuple[int, int]:
-    m = LAYERS_RE.match(text)
-    if not m:
-        raise ManifestError(f"invalid layer range {text[:40]!r}: expected FIRST-LAST, e.g. 0-39")
-    first = int(m.group(1))
-    last = int(m.group(2)) if m.group(2) is not None else first
-    if first > last:
-        raise ManifestError(f"layer range {text!r} runs backwards")
-    return first, last
-
-
 def slice_header(tensors: list[dict[str, Any]]) -> bytes:
     """The safetensors header of a slice file: tensors in name order, packed, padded to 8 bytes."""
     entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -114,7 +104,7 @@ def slice_header(tensors: list[dict[str, Any]]) -> bytes:
     return struct.pack("<Q", len(body)) + body
 
 
-def make_slice(full: dict[str, Any], full_digest: str, layers: str) -> dict[str, Any]:
+def make_slice(full: dict[str, Any], full_digest: str, layers: LayerRange) -> dict[str, Any]:
     """The manifest of layers FIRST-LAST of a safetensors model: every auxiliary file (config,
     tokenizer), the tensors of those layers, the embeddings if it is the first slice, the final norm
     and output head if it is the last, assembled into one safetensors file."""
@@ -126,8 +116,7 @@ def make_slice(full: dict[str, Any], full_digest: str, layers: str) -> dict[str,
     if not isinstance(total, int):
         raise ManifestError("the model's manifest does not say how many layers it has (config.json "
                             "num_hidden_layers)")
-    first, last = parse_layers(layers)
-    if last >= total:
+    if layers.last >= total:
         raise ManifestError(f"layers {layers} are outside the model, which has {total} (0-{total - 1})")
     aux, picked = [], []
     for f in full["files"]:
@@ -137,8 +126,8 @@ def make_slice(full: dict[str, Any], full_digest: str, layers: str) -> dict[str,
             continue
         for t in f["tensors"]:
             n = layer_of(t["name"])
-            keep = (first <= n <= last) if n is not None else (
-                first == 0 if "embed" in t["name"] else last == total - 1)
+            keep = (n in layers) if n is not None else (
+                layers.first == 0 if "embed" in t["name"] else layers.last == total - 1)
             if keep:
                 picked.append({**t, "source": {"sha256": f["sha256"], "begin": t["begin"], "end": t["end"]}})
     picked.sort(key=lambda t: t["name"])
@@ -152,8 +141,8 @@ def make_slice(full: dict[str, Any], full_digest: str, layers: str) -> dict[str,
         offset += size
     assembled = {"path": SLICE_FILE, "size": offset, "assembled": True,
                  "header_sha256": hashlib.sha256(header).hexdigest(), "tensors": tensors}
-    return {"version": MANIFEST_VERSION, "format": "safetensors", "layers": last - first + 1,
-            "slice": {"of": full_digest, "layers": f"{first}-{last}", "total_layers": total},
+    return {"version": MANIFEST_VERSION, "format": "safetensors", "layers": layers.count,
+            "slice": {"of": full_digest, "layers": layers.span, "total_layers": total},
             "files": sorted(aux + [assembled], key=lambda f: f["path"])}
 
 
