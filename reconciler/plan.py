@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Mapping
 
 from .diagnostics import Diagnostic, Pos, Severity, SourceRange, has_errors
 
@@ -30,7 +30,7 @@ class Change:
     node: str
     reason: str
     depends_on: tuple[str, ...] = ()
-    details: dict[str, Any] = field(default_factory=dict)
+    details: Mapping[str, Any] = field(default_factory=dict)  # one of wire.plan_details' shapes
     drift: bool = False  # undoing something fleet.yaml does not ask for
 
     def to_json(self) -> dict[str, Any]:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Mapping
 
 from wire import manifest as mf
 from wire.ids import replica_address, server_address, server_id, split_server_id
 from wire.layers import LayerRange
+from wire.plan_details import (DeleteDetails, ReplaceDetails, ReplicateDetails, RunningServer, ServerSettings,
+                               Speculative, StartDetails, StopDetails)
 from wire.windows import Window, status
 
 from .diagnostics import Diagnostic, error, warning
@@ -52,9 +54,9 @@ def plan(desired: Desired, observed: Observed, *, targets: tuple[str, ...] = (),
     return Plan(tuple(changes), tuple(diags), config_digest, config_file, fingerprints, targets)
 
 
-def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+def settings_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     """Flat, readable differences: ["context_length 4096 → 8192", "threads unset → 8"]."""
-    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    def flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in d.items():
             if isinstance(v, dict):
@@ -167,10 +169,10 @@ class _Planner:
                 peer = peers[i // 2] if not w.layers else holders[i % len(holders)]
                 deps = (replica_address(w.address_model, peer),) if peer not in holders else ()
                 self.planned_bytes[node] = self.planned_bytes.get(node, 0) + w.bytes
-                details = {"model": w.model.name, "digest": w.digest, "format": w.model.format, "peer": peer,
-                           "bytes": w.bytes}
-                if w.layers:
-                    details.update(layers=str(w.layers), source_digest=w.source_digest)
+                details = ReplicateDetails(model=w.model.name, digest=w.digest, format=w.model.format, peer=peer,
+                                           bytes=w.bytes)
+                if w.layers is not None and w.source_digest is not None:
+                    details["layers"], details["source_digest"] = str(w.layers), w.source_digest
                 what = f"copy of layers {w.layers} of {w.model.name}" if w.layers else f"replica of {w.model.name}"
                 self.changes.append(Change(Action.REPLICATE, replica_address(w.address_model, node), node,
                                            f"{node} holds no {what}; fetch {w.bytes:,} bytes from {peer}", deps,
@@ -183,10 +185,15 @@ class _Planner:
 
     # ---- servers ----
 
-    def resolve_settings(self, c: ClusterSpec, node: str, obs: ObservedNode) -> dict[str, Any]:
+    def resolve_settings(self, c: ClusterSpec, node: str, obs: ObservedNode) -> ServerSettings:
         s = c.settings
-        out: dict[str, Any] = {k: v for k, v in (("context_length", s.context_length), ("threads", s.threads),
-                                                 ("batch_size", s.batch_size)) if v is not None}
+        out = ServerSettings()  # only what is set, in the order the agent and `fleet plan` have always shown
+        if s.context_length is not None:
+            out["context_length"] = s.context_length
+        if s.threads is not None:
+            out["threads"] = s.threads
+        if s.batch_size is not None:
+            out["batch_size"] = s.batch_size
         address = server_address(c.name, node)
         if s.tensor_parallel == "auto":
             out["tensor_parallel"] = max(1, len(obs.gpus))
@@ -197,9 +204,9 @@ class _Planner:
         elif s.tensor_parallel is not None:
             out["tensor_parallel"] = s.tensor_parallel
         if s.speculative is not None:
-            spec: dict[str, Any] = {"mode": s.speculative.mode}
+            spec = Speculative(mode=s.speculative.mode)
             if s.speculative.draft:
-                spec.update(draft=s.speculative.draft, draft_digest=self.d.models[s.speculative.draft].digest)
+                spec["draft"], spec["draft_digest"] = s.speculative.draft, self.d.models[s.speculative.draft].digest
             if s.speculative.tokens:
                 spec["tokens"] = s.speculative.tokens
             out["speculative"] = spec
@@ -236,10 +243,11 @@ class _Planner:
                 settings = self.resolve_settings(c, node, obs)
                 self.check_vram(c, node, obs, model, settings)
                 host = self.d.nodes[node].address
-                details = {"cluster": c.name, "server_id": sid, "model": model.name, "digest": model.digest,
-                           "port": c.port, "host": host, "settings": settings}
+                details = StartDetails(cluster=c.name, server_id=sid, model=model.name, digest=model.digest,
+                                       port=c.port, host=host, settings=settings)
+                draft_digest = settings["speculative"].get("draft_digest") if "speculative" in settings else None
                 deps = [replica_address(w.address_model, node) for w in wants[node].values()
-                        if w.digest in (model.digest, settings.get("speculative", {}).get("draft_digest"))
+                        if w.digest in (model.digest, draft_digest)
                         and replica_address(w.address_model, node) in replicating]
                 if previous:
                     deps.append(previous)
@@ -259,16 +267,16 @@ class _Planner:
                     if current.port != c.port:
                         diffs.insert(0, f"port {current.port} → {c.port}")
                     if diffs:
+                        before = RunningServer(model=current.model, port=current.port, settings=current.settings)
                         change = Change(Action.REPLACE, address, node, "changed: " + "; ".join(diffs),
-                                        tuple(deps), {**details, "before": {"model": current.model,
-                                                                           "port": current.port,
-                                                                           "settings": current.settings}})
+                                        tuple(deps), ReplaceDetails(**details, before=before))
                 if change is not None:
                     self.changes.append(change)
                     previous = address
         return desired_ids
 
-    def check_vram(self, c: ClusterSpec, node: str, obs: ObservedNode, model: ModelSpec, settings: dict[str, Any]) -> None:
+    def check_vram(self, c: ClusterSpec, node: str, obs: ObservedNode, model: ModelSpec,
+                   settings: ServerSettings) -> None:
         if not obs.gpus:
             return
         n = int(settings.get("tensor_parallel") or len(obs.gpus))
@@ -291,7 +299,7 @@ class _Planner:
                 address = server_address(split_server_id(sid)[0], node)
                 self.changes.append(Change(Action.STOP, address, node,
                                            f"{node} runs server {sid} ({srv.state}) that no cluster asks for",
-                                           (), {"server_id": sid, "model": srv.model}, drift=True))
+                                           (), StopDetails(server_id=sid, model=srv.model), drift=True))
                 stopping.setdefault(srv.model, []).append(address)
             for digest, held in obs.weights.items():
                 if digest in wants.get(node, {}) or digest in obs.fetching:
@@ -302,7 +310,7 @@ class _Planner:
                     name = f"{name}[{held.layers}]"
                 self.changes.append(Change(Action.DELETE, replica_address(name, node), node,
                                            f"{node} holds {name} ({held.bytes:,} bytes) that no replica asks for",
-                                           tuple(stopping.get(digest, ())), {"digest": digest}, drift=True))
+                                           tuple(stopping.get(digest, ())), DeleteDetails(digest=digest), drift=True))
         # A start waits for the stops on its node: they may free its port.
         stops: dict[str, list[str]] = {}
         for ch in self.changes:

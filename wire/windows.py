@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime, time, timedelta
-from typing import Any
+
+from .state import Availability
 
 _WINDOW = re.compile(r"^([01][0-9]|2[0-3]):([0-5][0-9])-([01][0-9]|2[0-3]):([0-5][0-9])$")
 _DAY = timedelta(days=1)
@@ -34,7 +35,7 @@ class Window:
         return f"{self.start:%H:%M}-{self.end:%H:%M}"
 
 
-def status(windows: tuple[Window, ...], now: datetime) -> dict[str, Any]:
+def status(windows: tuple[Window, ...], now: datetime) -> Availability:
     """Whether `now` (an aware local time) lies inside a window, when that stretch ends, and when the
     next window starts. No windows: always available. Windows that touch or overlap are merged."""
     if not windows:

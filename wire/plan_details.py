@@ -1,0 +1,75 @@
+"""The `details` of each plan action as TypedDicts: what the planner writes and the executor reads.
+
+schemas/plan.schema.json leaves `details` an open object ("what the executor needs"); these are
+its shapes, one per action. Typing only: nothing here runs."""
+
+from __future__ import annotations
+
+from typing import Any, NotRequired, TypedDict
+
+
+class ReplicateDetails(TypedDict):
+    """replicate: fetch `digest` from `peer` (a node name); a slice adds layers and its source."""
+
+    model: str
+    digest: str
+    format: str  # "safetensors" or "gguf"
+    peer: str
+    bytes: int
+    layers: NotRequired[str]  # LayerRange as written ("0-39", or "7" for one layer)
+    source_digest: NotRequired[str]  # the full model a slice is cut from
+
+
+class Speculative(TypedDict):
+    mode: str  # "draft" or "prompt_lookup"
+    draft: NotRequired[str]  # the draft model's name
+    draft_digest: NotRequired[str]
+    tokens: NotRequired[int]
+
+
+class ServerSettings(TypedDict, total=False):
+    """Settings resolved for one node (tensor_parallel "auto" is already a number): only those set,
+    in this order; the planner always writes startup_timeout_s, last."""
+
+    context_length: int
+    threads: int
+    batch_size: int
+    tensor_parallel: int
+    speculative: Speculative
+    startup_timeout_s: float
+
+
+class StartDetails(TypedDict):
+    """start: run cluster `cluster`'s server `server_id` on `host`:`port`."""
+
+    cluster: str
+    server_id: str  # wire.ids.server_id(cluster, node)
+    model: str
+    digest: str
+    port: int
+    host: str
+    settings: ServerSettings
+
+
+class RunningServer(TypedDict):
+    model: str  # digest
+    port: int
+    settings: dict[str, Any]  # as the agent reports them
+
+
+class ReplaceDetails(StartDetails):
+    """replace: as start, plus what runs there now."""
+
+    before: RunningServer
+
+
+class StopDetails(TypedDict):
+    server_id: str
+    model: str  # digest
+
+
+class DeleteDetails(TypedDict):
+    digest: str
+
+
+Details = ReplicateDetails | StartDetails | ReplaceDetails | StopDetails | DeleteDetails

@@ -1,0 +1,121 @@
+"""GET /v1/state as TypedDicts: what a fleet-agent reports about its node.
+
+Mirrors schemas/agent-state.schema.json (the control plane validates every answer against it) and
+names the fields the agent sends beyond what the schema requires. Typing only: nothing here runs."""
+
+from __future__ import annotations
+
+from typing import Any, NotRequired, TypedDict
+
+
+class IdentityJson(TypedDict):
+    id: str  # 32 lowercase hex digits
+    name: str
+    enrolled_at: str  # ISO 8601
+
+
+class Cores(TypedDict):
+    logical: int
+    usable: int  # the cores this process may run on
+
+
+class Memory(TypedDict):
+    total_bytes: int
+    available_bytes: int
+
+
+class Disk(TypedDict):
+    path: str  # the agent's home: the disk the figures are about
+    total_bytes: int
+    free_bytes: int
+
+
+class GpuJson(TypedDict):
+    index: int
+    name: str
+    uuid: str
+    memory_total_bytes: int
+    memory_free_bytes: int
+
+
+class Inventory(TypedDict):
+    cores: Cores
+    memory: Memory
+    disk: Disk
+    gpus: list[GpuJson]
+    gpu_source: str  # "nvml", "simulated" or "none"
+    gpu_note: str  # why there are no GPUs, or where simulated ones come from
+    simulated: bool
+
+
+class Availability(TypedDict):
+    windows: list[str]  # "HH:MM-HH:MM", the node's local time
+    always: bool  # no windows: always available
+    inside: bool
+    current_ends_at: str | None
+    next_starts_at: str | None
+
+
+class SliceInfo(TypedDict):
+    of: str  # the full model's digest
+    layers: str  # "FIRST-LAST" (LayerRange.span)
+    total_layers: int
+
+
+class WeightsEntry(TypedDict):
+    """A model held, whole or a slice."""
+
+    digest: str
+    name: str
+    format: str  # "safetensors" or "gguf"
+    bytes: int
+    layers: int | None  # how many layers the held weights have (None: unknown, e.g. GGUF)
+    slice: SliceInfo | None
+    path: str
+
+
+class FetchJob(TypedDict):
+    """A fetch running (in `fetches`), or the answer of GET/PUT /v1/weights/{digest} while one runs."""
+
+    digest: str
+    state: str  # "fetching", "present" or "failed"
+    peer: str
+    layers: str | None  # LayerRange as written, for a slice
+    bytes_total: int
+    bytes_done: int  # verified or on disk, counting what a resume found
+    bytes_fetched: int  # crossed the wire in this job
+    rate_bytes_per_s: int
+    error: str | None
+    resumable: NotRequired[bool]  # failed keeping what arrived: asking again resumes
+
+
+class ServerExit(TypedDict):
+    code: int | None
+    signal: int | None
+
+
+class ServerEntry(TypedDict):
+    id: str  # "CLUSTER@NODE" (wire.ids.server_id) for servers fleet started
+    state: str  # "starting", "running", "failed", "stopping" or "stopped"
+    model: str  # digest
+    backend: str
+    host: str
+    port: int
+    pid: int | None
+    settings: dict[str, Any]  # as the plan resolved them (wire.plan_details.ServerSettings)
+    speculative: dict[str, Any] | None
+    uptime_s: float
+    reason: str | None  # why it failed, first line first
+    exit: ServerExit | None
+
+
+class AgentState(TypedDict):
+    identity: IdentityJson
+    agent_version: str
+    variant: dict[str, Any]  # "accelerator" (cpu, cuda or rocm) and each engine's version or build
+    inventory: Inventory
+    availability: Availability
+    observed_at: str  # the agent's clock, ISO 8601 with its UTC offset
+    weights: list[WeightsEntry]
+    fetches: list[FetchJob]
+    servers: list[ServerEntry]
