@@ -1,4 +1,4 @@
-"""The `fleet-agent` command: enroll, serve, doctor."""
+"""The `fleet-agent` command line: parses the arguments, runs one subcommand, and maps refusals to exit codes."""
 
 from __future__ import annotations
 
@@ -45,16 +45,12 @@ def cmd_enroll(args: argparse.Namespace) -> int:
 
 
 def _secret() -> bytes:
-    raw = os.environ.get("FLEET_CLUSTER_SECRET")
-    if not raw:
-        raise Refused("FLEET_CLUSTER_SECRET is not set: every agent and the control plane share one "
-                      "cluster secret (at least 16 bytes), e.g. from `openssl rand -hex 32`")
-    secret = raw.encode()
-    from .app import MIN_SECRET_BYTES
+    from .auth import BadSecret, cluster_secret
 
-    if len(secret) < MIN_SECRET_BYTES:
-        raise Refused(f"FLEET_CLUSTER_SECRET is {len(secret)} bytes; it must be at least {MIN_SECRET_BYTES}")
-    return secret
+    try:
+        return cluster_secret(os.environ.get("FLEET_CLUSTER_SECRET"))
+    except BadSecret as exc:
+        raise Refused(str(exc)) from None
 
 
 def _listen(text: str) -> tuple[str, int]:
@@ -88,14 +84,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise Refused("--tls-cert and --tls-key go together")
     host, port = _listen(args.listen)
 
-    from .app import AgentContext, create_app
+    from .app import assemble, create_app
+    from .launch import ProcessLauncher
     from .server import serve
 
-    ctx = AgentContext(home=home, identity=ident, secret=secret, version=__version__, gpu_probe=probe,
-                       windows=wins, listen_host=host)
+    ctx = assemble(home, ident, secret, __version__, probe, ProcessLauncher(), listen_host=host, windows=wins)
     return serve(create_app(ctx), host, port, ident, spawner=ctx.spawner, workers=ctx.workers,
-                 tls_cert=args.tls_cert,
-                 tls_key=args.tls_key)
+                 tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

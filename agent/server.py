@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
 from hypercorn.config import Config
@@ -14,10 +14,15 @@ from starlette.types import ASGIApp
 
 from .identity import Identity
 
+if TYPE_CHECKING:
+    from .app import Spawner
+    from .workers import Workers
+
 log = logging.getLogger("fleet-agent")
 
 
-def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, spawner: Any = None, workers: Any = None,
+def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, spawner: Spawner | None = None,
+          workers: Workers | None = None,
           tls_cert: str | None = None, tls_key: str | None = None) -> int:
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]

@@ -1,15 +1,18 @@
 """Simulated agents for benchmarks and scale tests, clearly labelled as such: one process hosts
-many agent apps on distinct loopback addresses, with simulated GPUs, simulated held weights and
-a launcher that starts no engine (a server is `running` at once and says `"simulated": true`).
-The HTTP stack, authentication, routing and JSON are the real agent's."""
+many agent apps on distinct loopback addresses, each assembled from the real agent's parts but
+three: simulated GPUs, a store that also claims to hold some models (listed with "simulated":
+true), and a launcher that starts no engine (pid 0, answering its health check at once, so a
+server is `running` within a moment of its start). The HTTP stack, authentication, routing, JSON,
+the workers' checks and their supervision are the real agent's."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
 import logging
+import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import trio
 from hypercorn.config import Config
@@ -18,34 +21,90 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import __version__
 from .app import AgentContext, Spawner, create_app
+from .fetch import Fetcher
 from .identity import enroll
 from .inventory import SimulatedGpus
-from .workers import Refused, Server, Workers
+from .store import Store
+from .workers import Workers
+
+ENGINES: dict[str, Any] = {"torch": None, "transformers": None, "llama_cpp": None}
 
 
-class SimulatedWorkers(Workers):
-    """Keeps the agent's server table and its refusals (ids, ports, models held), spawns nothing."""
+class SimulatedProcess:
+    """A worker that is not there: it runs until signalled, then exits as a killed process would."""
 
-    held: set[str]  # digests the simulation claims, set by simulate() for each agent
+    pid = 0
 
-    def start(self, body: dict[str, Any]) -> Server:
-        sid, digest = body.get("id"), body.get("model")
-        if not isinstance(sid, str) or not isinstance(digest, str) or not isinstance(body.get("port"), int):
-            raise Refused(400, "bad_request", "id, model and port are required")
-        if not self.store.is_present(digest) and digest not in self.held:
-            raise Refused(409, "model_not_held", f"model {digest} is not held on this node")
-        server = Server(sid, digest, "simulated", body.get("host") or self.default_host, body["port"],
-                        body.get("settings") or {}, None, ["(simulated: no process)"], self.logs / f"{sid}.log",
-                        state="running", pid=0)
-        self.servers[sid] = server
-        return server
+    def __init__(self) -> None:
+        self.code: int | None = None
+        self.exited = trio.Event()
 
-    async def stop(self, sid: str, grace: float = 0) -> Server:
-        server = self.servers.pop(sid, None)
-        if server is None:
-            raise Refused(404, "server_not_found", f"no server {sid} on this node")
-        server.state = "stopped"
-        return server
+    def poll(self) -> int | None:
+        return self.code
+
+    async def wait(self) -> int:
+        await self.exited.wait()
+        assert self.code is not None
+        return self.code
+
+    def send_signal(self, sig: int) -> None:
+        if self.code is None:
+            self.code = -sig
+            self.exited.set()
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class SimulatedLauncher:
+    """Every engine counts as installed, every port as free, nothing is started, and every server
+    answers at once."""
+
+    def missing(self, modules: Sequence[str]) -> list[str]:
+        return []
+
+    def port_problem(self, host: str, port: int) -> str | None:
+        return None
+
+    def launch(self, argv: Sequence[str], log: Path) -> SimulatedProcess:
+        return SimulatedProcess()
+
+    async def answers(self, url: str) -> bool:
+        return True
+
+
+class ClaimedStore:
+    """A real Store seen with some models claimed on top: reported held (labelled simulated) and
+    servable, with no bytes behind them. Fetches still write into the real store underneath."""
+
+    def __init__(self, store: Store, claims: Sequence[dict[str, Any]]) -> None:
+        self.store = store
+        self.claims = {c["digest"]: {**c, "name": c.get("name", ""), "layers": None, "slice": None,
+                                     "path": "(simulated)", "simulated": True} for c in claims}
+
+    def blob_path(self, sha: str) -> Path:
+        return self.store.blob_path(sha)
+
+    def is_present(self, digest: str) -> bool:
+        return digest in self.claims or self.store.is_present(digest)
+
+    def manifest_bytes(self, digest: str) -> bytes:
+        return self.store.manifest_bytes(digest)  # a claimed model has no manifest to give a peer
+
+    def entry(self, digest: str) -> dict[str, Any]:
+        claimed = self.claims.get(digest)
+        return dict(claimed) if claimed is not None else self.store.entry(digest)
+
+    def entries(self) -> list[dict[str, Any]]:
+        return self.store.entries() + [dict(c) for c in self.claims.values()]
+
+    def digests(self) -> Iterator[str]:
+        yield from self.store.digests()
+        yield from self.claims
+
+    def delete(self, digest: str) -> None:
+        if self.claims.pop(digest, None) is None:
+            self.store.delete(digest)
 
 
 class _ByAddress:
@@ -66,46 +125,33 @@ class _ByAddress:
         await self.apps[scope["server"][0]](scope, receive, send)
 
 
+def simulated_agent(home: Path, name: str, address: str, secret: bytes, gpus: Path,
+                    held: Sequence[dict[str, Any]], spawner: Spawner) -> AgentContext:
+    """One simulated agent, assembled like app.assemble() with the simulated store view and launcher."""
+    ident, _ = enroll(home, name, __version__)
+    store = Store(home)
+    claimed = ClaimedStore(store, held)
+    return AgentContext(home=home, identity=ident, secret=secret, version=__version__,
+                        gpu_probe=SimulatedGpus(gpus), store=claimed,
+                        fetcher=Fetcher(store, secret.decode(), spawner),
+                        workers=Workers(home, claimed, spawner, SimulatedLauncher(), address),
+                        spawner=spawner, engines=dict(ENGINES))
+
+
 def build(base: Path, first: str, count: int, secret: bytes, gpus: Path,
-          held: list[dict[str, Any]]) -> tuple[dict[str, AgentContext], Spawner]:
+          held: Sequence[dict[str, Any]]) -> tuple[dict[str, AgentContext], Spawner]:
+    """`count` simulated agents on consecutive addresses from `first`, sharing one spawner."""
     spawner = Spawner()
     start = ipaddress.IPv4Address(first)
     contexts = {}
     for i in range(count):
         address = str(start + i)
-        home = base / f"node-{i}"
-        ident, _ = enroll(home, f"sim-{i}", __version__)
-        ctx = AgentContext(home=home, identity=ident, secret=secret, version=__version__,
-                           gpu_probe=SimulatedGpus(gpus), spawner=spawner, listen_host=address,
-                           engines={"torch": None, "transformers": None, "llama_cpp": None})
-        workers = SimulatedWorkers(home, ctx.store, spawner, address)
-        workers.held = {h["digest"] for h in held}
-        ctx.workers = workers
-        _claim(ctx, held)
-        contexts[address] = ctx
+        contexts[address] = simulated_agent(base / f"node-{i}", f"sim-{i}", address, secret, gpus, held, spawner)
     return contexts, spawner
 
 
-def _claim(ctx: AgentContext, held: list[dict[str, Any]]) -> None:
-    """Report `held` models without their bytes: the state lists them, labelled simulated."""
-    real = ctx.store.entries
-
-    def entries() -> list[dict[str, Any]]:
-        return real() + [{**h, "name": h.get("name", ""), "layers": None, "slice": None,
-                          "path": "(simulated)", "simulated": True} for h in held]
-    ctx.store.entries = entries  # type: ignore[method-assign]
-    present, entry = ctx.store.is_present, ctx.store.entry
-
-    def is_present(digest: str) -> bool:
-        return digest in {h["digest"] for h in held} or present(digest)
-
-    def simulated_entry(digest: str) -> dict[str, Any]:
-        return next((e for e in entries() if e["digest"] == digest), None) or entry(digest)
-    ctx.store.is_present = is_present  # type: ignore[method-assign]
-    ctx.store.entry = simulated_entry  # type: ignore[method-assign]
-
-
-def serve(base: Path, first: str, count: int, port: int, secret: bytes, gpus: Path, held: list[dict[str, Any]]) -> None:
+def serve(base: Path, first: str, count: int, port: int, secret: bytes, gpus: Path,
+          held: Sequence[dict[str, Any]]) -> None:
     contexts, spawner = build(base, first, count, secret, gpus, held)
     app = _ByAddress({addr: create_app(ctx) for addr, ctx in contexts.items()})
     config = Config()

@@ -10,7 +10,7 @@ import os
 import shutil
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from wire import manifest as mf
 
@@ -19,7 +19,25 @@ _SKIP_DIRS = {".git", ".cache", "__pycache__"}
 
 
 class StoreError(Exception):
-    pass
+    """A name that is not a digest, a model not held, or a model that cannot be imported."""
+
+
+class WeightStore(Protocol):
+    """What the agent's routes and workers ask of the weight store (Store, or a simulation's stand-in)."""
+
+    def blob_path(self, sha: str) -> Path: ...
+
+    def is_present(self, digest: str) -> bool: ...
+
+    def manifest_bytes(self, digest: str) -> bytes: ...
+
+    def entry(self, digest: str) -> dict[str, Any]: ...
+
+    def entries(self) -> list[dict[str, Any]]: ...
+
+    def digests(self) -> Iterator[str]: ...
+
+    def delete(self, digest: str) -> None: ...
 
 
 def fsync_dir(path: Path) -> None:

@@ -1,63 +1,36 @@
 """Server processes: start (returning at once), supervise to `running` or `failed` with the full
-reason, stop (SIGTERM, then SIGKILL), and never restart on their own."""
+reason, stop (SIGTERM, then SIGKILL), and never restart on their own. Processes come from an
+injected Launcher; how each engine is launched comes from its spec in agent/backends/."""
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import importlib.util
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-import httpx
 import trio
 
-from .store import Store
+from . import backends
+from .launch import BadSettings, Launcher, LaunchSpec, Process
+from .store import WeightStore
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0
 TAIL_LINES = 40
-
-BACKENDS = {
-    # backend: (format it serves, modules it needs, the extra that installs them, health path)
-    "llama_cpp": ("gguf", ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context",
-                           "pydantic_settings"), "gguf", "/v1/models"),
-    "torch": ("safetensors", ("torch", "transformers"), "torch", "/health"),
-}
+HEALTH_EVERY_S = 0.25
 
 
 class Refused(Exception):
+    """A request the agent will not carry out: the HTTP status, a stable code and the reason."""
+
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
-
-
-def _die_with_parent() -> None:
-    # Linux: the worker gets SIGKILL when the agent dies, even by SIGKILL: no orphans.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def port_free(host: str, port: int) -> str | None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            return "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
-    return None
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -74,6 +47,8 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
 
 @dataclass
 class Server:
+    """One server this agent was asked to run: mutable, as its supervisor moves it along."""
+
     id: str
     digest: str
     backend: str
@@ -88,7 +63,7 @@ class Server:
     reason: str | None = None
     exit: dict[str, Any] | None = None
     started: float = field(default_factory=time.time)
-    proc: Any = None
+    proc: Process | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "state": self.state, "model": self.digest, "backend": self.backend,
@@ -104,25 +79,17 @@ def _describe_exit(code: int) -> tuple[str, dict[str, Any]]:
     return f"exited with code {code}", {"code": code, "signal": None}
 
 
-async def _wait(proc: subprocess.Popen[bytes]) -> int:
-    """Wait for a child without blocking the loop: on its pidfd where Linux has one, else by polling."""
-    try:
-        fd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):
-        while proc.poll() is None:
-            await trio.sleep(0.1)
-        return proc.returncode
-    try:
-        await trio.lowlevel.wait_readable(fd)
-    finally:
-        os.close(fd)
-    return proc.wait()
 
 
 class Workers:
-    def __init__(self, home: Path, store: Store, spawn: Callable[..., None], default_host: str) -> None:
+    """The agent's table of servers, and the supervision of each one's process."""
+
+    def __init__(self, home: Path, store: WeightStore, spawn: Callable[..., None], launcher: Launcher,
+                 default_host: str, specs: Mapping[str, LaunchSpec] = backends.BACKENDS) -> None:
         self.store = store
         self.spawn = spawn
+        self.launcher = launcher
+        self.specs = specs  # the engines this agent can start, by backend name
         self.default_host = default_host
         self.logs = home / "servers"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -135,14 +102,17 @@ class Workers:
                 return s.id
         return None
 
-    def _model_path(self, digest: str, what: str) -> tuple[str, dict[str, Any]]:
+    def _model_path(self, digest: str, what: str) -> str:
+        return str(self._model(digest, what)["path"])
+
+    def _model(self, digest: str, what: str) -> dict[str, Any]:
         if not self.store.is_present(digest):
             raise Refused(409, "model_not_held", f"{what} {digest} is not held on this node; replicate it first")
         entry = self.store.entry(digest)
         if entry["slice"]:
             raise Refused(409, "model_is_slice", f"{what} {digest} is held only as a slice (layers "
                                                  f"{entry['slice']['layers']}); serving a slice is not supported")
-        return entry["path"], entry
+        return entry
 
     def start(self, body: dict[str, Any]) -> Server:
         sid = body.get("id")
@@ -160,107 +130,57 @@ class Workers:
         settings = body.get("settings") or {}
         if not isinstance(settings, dict):
             raise Refused(400, "bad_request", "settings must be an object")
-        path, entry = self._model_path(digest, "model")
-        backend = "llama_cpp" if entry["format"] == "gguf" else "torch"
-        _, modules, extra, _ = BACKENDS[backend]
-        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        entry = self._model(digest, "model")
+        spec = backends.for_format(entry["format"], self.specs)
+        if spec is None:
+            raise Refused(409, "format_not_served", f"model {digest} is stored as {entry['format']}, which no "
+                                                    "backend of this agent serves")
+        missing = self.launcher.missing(spec.modules)
         if missing:
             raise Refused(409, "backend_not_installed",
-                          f"the {backend} backend needs {', '.join(missing)}, not installed on this node: "
-                          f"pip install 'fleet[{extra}]'")
-        problem = port_free(host, port)
+                          f"the {spec.name} backend needs {', '.join(missing)}, not installed on this node: "
+                          f"pip install 'fleet[{spec.extra}]'")
+        problem = self.launcher.port_problem(host, port)
         if problem:
             raise Refused(409, "port_unavailable", f"port {port} on {host} is {problem}; another server or "
                                                     "process holds it")
-        argv, speculative = self._argv(backend, path, host, port, settings)
+        try:
+            command = spec.command(entry["path"], host, port, settings, self._model_path)
+        except BadSettings as exc:
+            raise Refused(400, "bad_request", str(exc)) from None
         log = self.logs / f"{sid}.log"
         log.write_bytes(b"")
-        server = Server(sid, digest, backend, host, port, settings, speculative, argv, log)
+        server = Server(sid, digest, spec.name, host, port, settings, command.speculative, list(command.argv), log)
         self.servers[sid] = server
-        self.spawn(self._supervise, server)
+        self.spawn(self._supervise, server, spec)
         return server
 
-    def _argv(self, backend: str, path: str, host: str, port: int,
-              s: dict[str, Any]) -> tuple[list[str], dict[str, Any] | None]:
-        spec = s.get("speculative")
-        speculative = None
-        if backend == "llama_cpp":
-            argv = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--host", host, "--port", str(port)]
-            if s.get("context_length"):
-                argv += ["--n_ctx", str(s["context_length"])]
-            if s.get("threads"):
-                argv += ["--n_threads", str(s["threads"])]
-            if s.get("batch_size"):
-                argv += ["--n_batch", str(s["batch_size"])]
-            if isinstance(s.get("tensor_parallel"), int) and s["tensor_parallel"] > 0:
-                argv += ["--n_gpu_layers", "-1"]
-            if spec:
-                if spec.get("mode") == "prompt_lookup":
-                    argv += ["--draft_model", "prompt-lookup-decoding"]
-                    if spec.get("tokens"):
-                        argv += ["--draft_model_num_pred_tokens", str(spec["tokens"])]
-                    speculative = {**spec, "applied": True, "how": "llama.cpp prompt-lookup decoding"}
-                else:
-                    speculative = {**spec, "applied": False,
-                                   "how": "llama-cpp-python's server drafts only by prompt lookup; a separate "
-                                          "draft model is recorded but not used"}
-            return argv, speculative
-        argv = [sys.executable, "-m", "agent.backends.torch_worker", "--model", path, "--host", host,
-                "--port", str(port)]
-        if s.get("context_length"):
-            argv += ["--context-length", str(s["context_length"])]
-        if s.get("threads"):
-            argv += ["--threads", str(s["threads"])]
-        if spec:
-            if spec.get("mode") == "prompt_lookup":
-                argv += ["--prompt-lookup", str(spec.get("tokens") or 10)]
-                speculative = {**spec, "applied": True, "how": "transformers prompt-lookup decoding"}
-            else:
-                draft_digest = spec.get("draft_digest")
-                if not isinstance(draft_digest, str):
-                    raise Refused(400, "bad_request", "speculative draft needs draft_digest: the draft model's digest")
-                draft_path, _ = self._model_path(draft_digest, "draft model")
-                argv += ["--draft", draft_path]
-                speculative = {**spec, "applied": True, "how": "transformers assisted generation"}
-        return argv, speculative
-
-    async def _supervise(self, server: Server) -> None:
+    async def _supervise(self, server: Server, spec: LaunchSpec) -> None:
         timeout = float(server.settings.get("startup_timeout_s") or DEFAULT_STARTUP_TIMEOUT_S)
-        health = BACKENDS[server.backend][3]
-        with open(server.log, "ab") as log:
-            try:
-                # Spawned from the event loop's own thread, on purpose: PR_SET_PDEATHSIG fires when
-                # the *thread* that forked the child exits, and trio's open_process forks from a
-                # worker thread that idles out after a few seconds, killing healthy servers.
-                proc = subprocess.Popen(server.argv, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            except OSError as exc:
-                server.state, server.reason = "failed", f"could not start {server.argv[0]}: {exc}"
-                return
+        try:
+            proc = self.launcher.launch(server.argv, server.log)
+        except OSError as exc:
+            server.state, server.reason = "failed", f"could not start {server.argv[0]}: {exc}"
+            return
         server.proc, server.pid = proc, proc.pid
         async with trio.open_nursery() as nursery:
             async def watch_health() -> None:
-                url = f"http://{server.host}:{server.port}{health}"
+                url = f"http://{server.host}:{server.port}{spec.health}"
                 deadline = trio.current_time() + timeout
-                async with httpx.AsyncClient(timeout=2) as client:
-                    while server.state == "starting":
-                        try:
-                            if (await client.get(url)).status_code == 200:
-                                server.state = "running"
-                                return
-                        except httpx.TransportError:
-                            pass
-                        if trio.current_time() > deadline:
-                            server.state = "failed"
-                            server.reason = (f"did not answer its health check ({health}) within {timeout:g}s "
-                                             f"(startup_timeout_s); killed")
-                            proc.kill()
-                            return
-                        await trio.sleep(0.25)
+                while server.state == "starting":
+                    if await self.launcher.answers(url):
+                        server.state = "running"
+                        return
+                    if trio.current_time() > deadline:
+                        server.state = "failed"
+                        server.reason = (f"did not answer its health check ({spec.health}) within {timeout:g}s "
+                                         f"(startup_timeout_s); killed")
+                        proc.kill()
+                        return
+                    await trio.sleep(HEALTH_EVERY_S)
 
             nursery.start_soon(watch_health)
-            code = await _wait(proc)
+            code = await proc.wait()
             nursery.cancel_scope.cancel()
         how, server.exit = _describe_exit(code)
         if server.state == "stopping":
@@ -275,15 +195,16 @@ class Workers:
         server = self.servers.get(sid)
         if server is None:
             raise Refused(404, "server_not_found", f"no server {sid} on this node")
-        if server.proc is not None and server.proc.poll() is None:
+        proc = server.proc
+        if proc is not None and proc.poll() is None:
             server.state = "stopping"
-            server.proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)
             with trio.move_on_after(grace):
-                while server.proc.poll() is None:
+                while proc.poll() is None:
                     await trio.sleep(0.05)
-            if server.proc.poll() is None:
-                server.proc.kill()
-                await _wait(server.proc)
+            if proc.poll() is None:
+                proc.kill()
+                await proc.wait()
             while server.state == "stopping":  # let the supervisor record the exit
                 await trio.sleep(0.01)
         self.servers.pop(sid, None)
@@ -294,4 +215,3 @@ class Workers:
         async with trio.open_nursery() as nursery:
             for sid in list(self.servers):
                 nursery.start_soon(self.stop, sid)
-

@@ -12,9 +12,10 @@ from typing import Iterator
 import pytest
 import trio
 
-from agent.app import AgentContext, create_app, routes
+from agent.app import assemble, create_app, route_table
 from agent.identity import Identity
 from agent.inventory import NoGpus
+from agent.launch import ProcessLauncher
 from reconciler.client import AgentClient, NodeAuthRejected, NodeUnreachable
 from reconciler.model import NodeSpec
 from tests.agents import SECRET, Agent, agent_env, enroll, free_port
@@ -90,10 +91,9 @@ def test_simulated_gpus_are_read_at_request_time(agents: tuple[Agent, Agent], gp
     assert b.get("/v1/state").json()["availability"]["windows"] == ["22:00-06:00"]
 
 
-def _app() -> object:
+def _app(home: Path) -> object:
     ident = Identity(id="0" * 32, name="x", enrolled_at="2026-01-01T00:00:00+00:00", agent_version="t")
-    return create_app(AgentContext(home=Path("/tmp"), identity=ident, secret=SECRET.encode(), version="t",
-                                   gpu_probe=NoGpus("test")))
+    return create_app(assemble(home, ident, SECRET.encode(), "t", NoGpus("test"), ProcessLauncher()))
 
 
 @pytest.mark.parametrize("header, code", [
@@ -105,11 +105,11 @@ def _app() -> object:
     ("Bearer", "secret_wrong"),
 ], ids=["none", "wrong", "one-byte", "longer", "basic-scheme", "empty-bearer"])
 def test_every_route_but_healthz_rejects_a_bad_secret(agents: tuple[Agent, Agent], header: str | None,
-                                                     code: str) -> None:
+                                                     code: str, tmp_path: Path) -> None:
     import httpx
 
     a = agents[0]
-    table = routes(_app())  # type: ignore[arg-type]
+    table = route_table(_app(tmp_path))  # type: ignore[arg-type]
     assert ("/v1/state", {"GET", "HEAD"}) in table
     for path, methods in table + [("/v1/no-such-route", {"GET"})]:
         for method in methods - {"HEAD"}:

@@ -5,15 +5,16 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import httpx
 import pytest
 import trio
 
-from agent.app import AgentContext, create_app
+from agent.app import assemble, create_app
 from agent.identity import Identity
 from agent.inventory import NoGpus
+from agent.launch import ProcessLauncher
 from reconciler.client import AgentClient
 from reconciler.model import NodeSpec
+from reconciler.transport import MemoryTransport, asgi
 from wire.windows import Window, status
 
 TZ = timezone(timedelta(hours=2))
@@ -59,12 +60,12 @@ def test_bad_windows_are_refused(bad: str) -> None:
         Window.parse(bad)
 
 
-def test_state_uses_the_injected_clock_end_to_end_in_process() -> None:
-    """The app's state route and the client, joined by httpx's ASGI transport, at a chosen instant."""
+def test_state_uses_the_injected_clock_end_to_end_in_process(tmp_path: Path) -> None:
+    """The app's state route and the client, joined in memory (the client's own reader), at a chosen instant."""
     ident = Identity(id="a" * 32, name="n", enrolled_at="2026-01-01T00:00:00+00:00", agent_version="t")
-    ctx = AgentContext(home=Path("/tmp"), identity=ident, secret=b"s" * 16, version="t", gpu_probe=NoGpus("none"),
-                       windows=NIGHT, clock=lambda: at(30, 23, 30))
-    transport = httpx.ASGITransport(app=create_app(ctx))  # type: ignore[arg-type]
+    ctx = assemble(tmp_path, ident, b"s" * 16, "t", NoGpus("none"), ProcessLauncher(), windows=NIGHT,
+                   clock=lambda: at(30, 23, 30))
+    transport = MemoryTransport(asgi(create_app(ctx)))
 
     async def go() -> dict:
         async with AgentClient("s" * 16, transport=transport) as client:
