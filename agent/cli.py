@@ -159,6 +159,18 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import ConvertError, convert
+
+    try:
+        out = convert(Path(args.gguf), Path(args.out), args.dtype)
+    except ConvertError as exc:
+        raise Refused(str(exc)) from None
+    print(f"wrote {out} ({args.dtype} safetensors, tokenizer and chat template); serve it on PyTorch after "
+          f"`fleet-agent import {out}`")
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from . import simulate
 
@@ -227,6 +239,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
     p.set_defaults(func=cmd_make_test_model)
+
+    p = sub.add_parser("convert", help="turn a GGUF file into a safetensors model directory for PyTorch",
+                       description="Dequantise a GGUF file with transformers and write a safetensors model "
+                                   "directory (config, tokenizer, chat template, weights) that the PyTorch "
+                                   "engine serves. Local files only; OUT must be new or empty.")
+    p.add_argument("gguf", help="the .gguf file")
+    p.add_argument("out", help="the directory to write (new or empty)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="the weights' dtype (default bfloat16; float32 for exact comparisons)")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("simulate", help="SIMULATION: many agents in one process, for benchmarks",
                        description="Host COUNT simulated agents in this process, on consecutive loopback "

@@ -30,3 +30,12 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32(request: pytest.FixtureRequest) -> Path:
+    """SmolLM2-135M-Instruct as float32 safetensors (exact comparisons), converted from the GGUF on
+    first use and kept under .pytest_cache between runs (a conversion takes a minute)."""
+    from tests.models import smollm2_safetensors
+
+    return smollm2_safetensors(Path(request.config.cache.mkdir("fleet-models")))
