@@ -1,11 +1,12 @@
-"""Our own thin OpenAI-compatible worker for safetensors models on PyTorch/transformers.
+"""Our own OpenAI-compatible worker for safetensors models on PyTorch/transformers: HTTP in front of
+the batched engine (agent/backends/torch_engine.py).
 
 `transformers serve` fits the plain case but takes no draft model (assisted generation), no
 context length and no thread count, and will not serve a layer slice; this worker does, in one
 process per server, with the same wire format (SSE chunks ending in `data: [DONE]`).
 
     python -m agent.backends.torch_worker --model DIR --host H --port P [--threads N]
-        [--context-length N] [--draft DIR]
+        [--context-length N] [--draft DIR] [--prompt-lookup N] [--dtype D] [--max-batch N]
 """
 
 from __future__ import annotations
@@ -14,30 +15,46 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from typing import Any, AsyncIterator
 
 import trio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import openai_wire as wire
+from .torch_engine import End, Engine, Job, Outbox, Params, speculative
+from .torch_text import Text
+
+STREAM_BUFFER = 64  # tokens a reader may fall behind before its request waits for it
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-class Engine:
-    def __init__(self, model_dir: str, threads: int | None, context_length: int | None, draft: str | None,
-                 prompt_lookup: int | None = None) -> None:
+class Served:
+    """The model behind the worker: tokenizer, limits, and the engine that runs requests."""
+
+    def __init__(self, model_dir: str, threads: int | None = None, context_length: int | None = None,
+                 draft: str | None = None, prompt_lookup: int | None = None, dtype: str = "auto",
+                 max_batch: int = 16, stream_buffer: int = STREAM_BUFFER) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from .torch_layers import Stack
+
         if threads:
             torch.set_num_threads(threads)
-        self.torch = torch
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # CPUs without bfloat16 arithmetic run a bf16 model several times slower than in float32.
+        chosen = "float32" if dtype == "auto" and self.device.type == "cpu" else dtype
+        kwargs: dict[str, Any] = {"local_files_only": True, "dtype": "auto" if chosen == "auto" else getattr(torch, chosen)}
         self.name = model_dir  # like llama.cpp, the engine names the model by its path
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, output_loading_info=True)
+        self.created = int(time.time())
+        self.stream_buffer = stream_buffer
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True, **kwargs)
         model, info = loaded
         missing = sorted(info.get("missing_keys") or [])
         if missing:
@@ -45,141 +62,140 @@ class Engine:
             raise SystemExit(f"{model_dir}: the weights lack {len(missing)} tensor(s) the model needs: "
                              + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
         self.model = model.to(self.device).eval()
-        draft_model: Any = AutoModelForCausalLM.from_pretrained(draft, local_files_only=True) if draft else None
-        self.draft = draft_model.to(self.device).eval() if draft_model is not None else None
+        stack = Stack(self.model)
         limit = getattr(self.model.config, "max_position_embeddings", None)
-        self.context_length = min(context_length or limit or 2048, limit or context_length or 2048)
-        self.prompt_lookup = prompt_lookup
-        self.lock = trio.Lock()  # one generation at a time per worker: a CPU runs one well
+        self.context_length = min(context_length or limit or 2048, limit or context_length or 2048,
+                                  stack.window or sys.maxsize)
+        eos = {int(t) for t in _ids(self.model.generation_config.eos_token_id)} | {
+            int(t) for t in _ids(self.tokenizer.eos_token_id)}
+        solo = None
+        if draft or prompt_lookup:
+            draft_model: Any = None
+            if draft:
+                draft_model = AutoModelForCausalLM.from_pretrained(draft, **kwargs)
+                draft_model = draft_model.to(self.device).eval()
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=None)
+            solo = speculative(self.model, self.device, pad, draft_model, None if draft else prompt_lookup)
+        self.engine = Engine(stack, eos, max_batch=max_batch, solo=solo, threads=threads)
+        self.engine.start()
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        ids: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    def tokens(self, ask: wire.Ask) -> list[int]:
+        if not ask.chat:
+            return list(self.tokenizer(ask.prompt)["input_ids"])
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise wire.BadRequest("this model has no chat template; use /v1/completions with a prompt", "messages",
+                                  "no_chat_template")
+        messages = [{"role": role, "content": text} for role, text in ask.messages]
+        try:
+            ids: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # the template's own checks (roles, order) raise jinja errors
+            raise wire.BadRequest(f"the model's chat template refused the messages: {exc}", "messages") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def decode(self, toks: list[int]) -> str:
-        return str(self.tokenizer.decode(toks, skip_special_tokens=True))
-
-    def encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt)["input_ids"])
-
-    def generate(self, ids: list[int], max_tokens: int, temperature: float, on_token: Any) -> tuple[int, str]:
-        """Blocking: run generate, calling on_token(token_id) for each new token. Returns
-        (tokens made, finish reason)."""
-        from transformers.generation.streamers import BaseStreamer
-
+    def job(self, ask: wire.Ask, ids: list[int]) -> Job:
         room = self.context_length - len(ids)
         if room <= 0:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {self.context_length}")
-        max_new = max(1, min(max_tokens, room))
-        made = 0
-
-        class Push(BaseStreamer):
-            first = True
-
-            def put(self, value: Any) -> None:
-                nonlocal made
-                if self.first:  # generate() first echoes the prompt
-                    self.first = False
-                    return
-                for tok in value.reshape(-1).tolist():
-                    made += 1
-                    on_token(int(tok))
-
-            def end(self) -> None:
-                pass
-
-        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "streamer": Push(),
-                                  "pad_token_id": self.tokenizer.eos_token_id}
-        if temperature > 0:
-            kwargs.update(do_sample=True, temperature=temperature)
-        else:
-            kwargs.update(do_sample=False)
-        if self.draft is not None:
-            kwargs["assistant_model"] = self.draft
-        elif self.prompt_lookup:
-            kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup
-        input_ids = self.torch.tensor([ids], device=self.device)
-        with self.torch.no_grad():
-            self.model.generate(input_ids, attention_mask=self.torch.ones_like(input_ids), **kwargs)
-        return made, "length" if made >= max_new else "stop"
+            raise wire.BadRequest(f"This model's maximum context length is {self.context_length} tokens; the "
+                                  f"{'messages' if ask.chat else 'prompt'} came to {len(ids)} tokens. Shorten it.",
+                                  "messages" if ask.chat else "prompt", "context_length_exceeded")
+        s = ask.sampling
+        params = Params(max_new=min(s.max_tokens or room, room), temperature=s.temperature, top_p=s.top_p,
+                        seed=s.seed)
+        token = trio.lowlevel.current_trio_token()
+        return Job(ids, params, Outbox(self.stream_buffer, token.run_sync_soon, self.engine.kick))
 
 
-def create_app(engine: Engine) -> Starlette:
+def _ids(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+async def _pieces(job: Job, text: Text) -> AsyncIterator[tuple[str, End | None]]:
+    """The request's text as it comes, then its end (a stop string ends it early: the engine is told)."""
+    while True:
+        tokens, end = await job.outbox.get()
+        piece, stopped = text.add(tokens)
+        if stopped:
+            job.cancel()
+            yield piece, End("stop", text.count)
+            return
+        if end is not None:
+            yield piece + text.flush(), End(end.reason, max(end.completion_tokens, text.count), end.error)
+            return
+        if piece:
+            yield piece, None
+
+
+def _error_response(status: int, message: str, code: str | None, type: str = "invalid_request_error",
+                    param: str | None = None) -> JSONResponse:
+    return JSONResponse(wire.error(message, type, param, code), status_code=status)
+
+
+def create_app(served: Served) -> Starlette:
     async def health(_: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "engine": served.engine.stats()})
 
     async def models(_: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": engine.name, "object": "model",
-                                                          "created": int(time.time()), "owned_by": "fleet"}]})
+        return JSONResponse({"object": "list", "data": [wire.model_entry(served.name, served.created)]})
+
+    async def model(request: Request) -> Response:
+        wanted = request.path_params["model_id"]
+        if wanted not in (served.name, served.name.lstrip("/")):
+            return _error_response(404, f"The model '{wanted}' does not exist", "model_not_found", param="model")
+        return JSONResponse(wire.model_entry(served.name, served.created))
 
     async def run(request: Request, chat: bool) -> Response:
         try:
-            body = await request.json()
-            ids = engine.encode_chat(body["messages"]) if chat else engine.encode(str(body["prompt"]))
-            max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-            temperature = float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0)
-        except (ValueError, KeyError, TypeError) as exc:
-            return JSONResponse({"error": {"message": f"bad request: {exc}", "type": "invalid_request_error"}},
-                                status_code=400)
-        cid = wire.new_id("chatcmpl" if chat else "cmpl")
-        send, receive = trio.open_memory_channel[Any](1024)
+            ask = wire.parse(await request.body(), chat)
+            job = served.job(ask, served.tokens(ask))
+        except wire.BadRequest as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        served.engine.submit(job)
+        cid, created = wire.new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+        text = Text(served.tokenizer, ask.sampling.stop)
+        if not ask.stream:
+            return await _whole(request, job, text, cid, created, chat)
+        chunks = wire.Chunks(cid, created, served.name, chat, ask.include_usage)
 
-        def on_token(tok: int) -> None:
-            trio.from_thread.run_sync(send.send_nowait, tok)
-
-        async def produce() -> tuple[int, str]:
-            async with engine.lock:
-                try:
-                    return await trio.to_thread.run_sync(engine.generate, ids, max_tokens, temperature, on_token)
-                finally:
-                    send.close()
-
-        async def deltas() -> AsyncIterator[str]:
-            # Decode the whole so far and emit the new suffix: byte-level BPE can split a character.
-            toks: list[int] = []
-            shown = ""
-            async for tok in receive:
-                toks.append(tok)
-                text = engine.decode(toks)
-                if text.endswith("\ufffd"):
-                    continue
-                if len(text) > len(shown):
-                    yield text[len(shown):]
-                    shown = text
-            final = engine.decode(toks)
-            if len(final) > len(shown):  # an incomplete character at the very end: send it as it is
-                yield final[len(shown):]
-
-        if not body.get("stream"):
-            async with trio.open_nursery() as nursery:
-                result: dict[str, Any] = {}
-
-                async def go() -> None:
-                    result["r"] = await produce()
-                nursery.start_soon(go)
-                text = "".join([d async for d in deltas()])
-            made, finish = result["r"]
-            build = wire.chat_completion if chat else wire.completion
-            return JSONResponse(build(cid, engine.name, text, finish, len(ids), made))
-
-        async def stream() -> AsyncIterator[bytes]:
-            async with trio.open_nursery() as nursery:
-                result: dict[str, Any] = {}
-
-                async def go() -> None:
-                    result["r"] = await produce()
-                nursery.start_soon(go)
+        async def events() -> AsyncIterator[bytes]:
+            try:
                 if chat:
-                    yield wire.sse(wire.chat_chunk(cid, engine.name, {"role": "assistant", "content": ""}))
-                async for piece in deltas():
-                    yield wire.sse(wire.chat_chunk(cid, engine.name, {"content": piece}) if chat
-                                   else wire.text_chunk(cid, engine.name, piece))
-            _, finish = result["r"]
-            yield wire.sse(wire.chat_chunk(cid, engine.name, {}, finish) if chat
-                           else wire.text_chunk(cid, engine.name, "", finish))
-            yield wire.DONE
+                    yield wire.sse(chunks.role())
+                async for piece, end in _pieces(job, text):
+                    if end is not None and end.reason == "error":
+                        yield wire.sse(wire.error(end.error or "the engine failed", "server_error", None,
+                                                  "engine_failed"))
+                        yield wire.DONE
+                        return
+                    if piece:
+                        yield wire.sse(chunks.delta(piece))
+                    if end is not None:
+                        yield wire.sse(chunks.delta("", end.reason))
+                        if ask.include_usage:
+                            yield wire.sse(chunks.usage(len(job.prompt), end.completion_tokens))
+                yield wire.DONE
+            finally:
+                job.cancel()  # the client left, or we are done: either way the engine drops the row
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _whole(request: Request, job: Job, text: Text, cid: str, created: int, chat: bool) -> Response:
+        parts: list[str] = []
+        ended: End | None = None
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:  # a client that hangs up frees the row even without a stream
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                job.cancel()
+            nursery.start_soon(watch)
+            async for piece, end in _pieces(job, text):
+                parts.append(piece)
+                ended = end
+            nursery.cancel_scope.cancel()
+        assert ended is not None
+        if ended.reason == "error":
+            return _error_response(500, ended.error or "the engine failed", "engine_failed", "server_error")
+        return JSONResponse(wire.whole(cid, created, served.name, chat, "".join(parts), ended.reason,
+                                       len(job.prompt), ended.completion_tokens))
 
     async def chat(request: Request) -> Response:
         return await run(request, True)
@@ -187,9 +203,27 @@ def create_app(engine: Engine) -> Starlette:
     async def completions(request: Request) -> Response:
         return await run(request, False)
 
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 405:
+            return _error_response(405, f"{where} is not supported; see GET /v1/models, POST /v1/chat/completions "
+                                        "and POST /v1/completions", "method_not_allowed")
+        if exc.status_code == 404:
+            return _error_response(404, f"Invalid URL ({where}): this worker serves /v1/models, "
+                                        "/v1/chat/completions and /v1/completions", "not_found")
+        return _error_response(exc.status_code, str(exc.detail), None)
+
+    async def crash(_: Request, exc: Exception) -> Response:
+        traceback.print_exception(exc, file=sys.stderr)  # the worker's log has it; the client does not
+        return _error_response(500, f"internal error in the worker: {type(exc).__name__}", "internal_error",
+                               "server_error")
+
     return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
+                             Route("/v1/models/{model_id:path}", model),
                              Route("/v1/chat/completions", chat, methods=["POST"]),
-                             Route("/v1/completions", completions, methods=["POST"])])
+                             Route("/v1/completions", completions, methods=["POST"])],
+                     exception_handlers={HTTPException: http_error, Exception: crash})
 
 
 def main() -> None:
@@ -201,10 +235,17 @@ def main() -> None:
     ap.add_argument("--context-length", type=int)
     ap.add_argument("--draft")
     ap.add_argument("--prompt-lookup", type=int)
+    ap.add_argument("--dtype", choices=DTYPES, default="auto",
+                    help="weights' dtype in memory; auto: float32 on CPU, the checkpoint's own on a GPU")
+    ap.add_argument("--max-batch", type=int, default=16, help="requests decoded together (more wait their turn)")
+    ap.add_argument("--stream-buffer", type=int, default=STREAM_BUFFER,
+                    help="tokens a slow reader may fall behind before its request pauses")
     args = ap.parse_args()
-    engine = Engine(args.model, args.threads, args.context_length, args.draft, args.prompt_lookup)  # fails here, loudly
-    print(json.dumps({"event": "loaded", "model": args.model, "device": engine.device,
-                      "context_length": engine.context_length}), file=sys.stderr, flush=True)
+    served = Served(args.model, args.threads, args.context_length, args.draft, args.prompt_lookup, args.dtype,
+                    args.max_batch, args.stream_buffer)  # fails here, loudly
+    print(json.dumps({"event": "loaded", "model": args.model, "device": str(served.device),
+                      "dtype": str(served.model.dtype).removeprefix("torch."),
+                      "context_length": served.context_length}), file=sys.stderr, flush=True)
 
     from hypercorn.config import Config
     from hypercorn.trio import serve
@@ -212,7 +253,7 @@ def main() -> None:
     config = Config()
     config.bind = [f"{args.host}:{args.port}"]
     config.accesslog = None
-    trio.run(serve, create_app(engine), config)  # type: ignore[arg-type]
+    trio.run(serve, create_app(served), config)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,188 @@
+"""A decoder model as the batched engine drives it: embed, a range of layers over a row-batched KV
+cache, norm and head, as separate steps (a pipeline stage runs only its range).
+
+Rows of a batch are left-padded so that every row's newest token sits in the same column; rows
+join (`Rows.cat`) and leave (`Rows.take`) between steps, and the explicit mask and per-row
+positions keep each row's arithmetic what it would be alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+HEADROOM = 64  # spare columns per (re)allocation, so that decoding rarely reallocates
+
+
+class Unsupported(Exception):
+    """The model is not laid out as the engine needs (Llama-like: embed, layers, norm, head)."""
+
+
+class Rows:
+    """The keys and values of some rows over layers [first, first + n): per layer one tensor
+    [rows, kv_heads, capacity, head_dim], filled up to `length`. `mask[r, c]` says whether column c
+    holds a token of row r (False: left padding); `positions[r]` is row r's next position."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor,
+                 positions: torch.Tensor, length: int, first: int) -> None:
+        self.keys, self.values, self.mask, self.positions = keys, values, mask, positions
+        self.length, self.first = length, first
+
+    @property
+    def size(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.mask.shape[1])
+
+    @staticmethod
+    def empty(first: int, layers: int, rows: int, kv_heads: int, head_dim: int, capacity: int,
+              dtype: torch.dtype, device: torch.device) -> Rows:
+        def zeros() -> torch.Tensor:
+            return torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        return Rows([zeros() for _ in range(layers)], [zeros() for _ in range(layers)],
+                    torch.zeros(rows, capacity, dtype=torch.bool, device=device),
+                    torch.zeros(rows, dtype=torch.long, device=device), 0, first)
+
+    def _like(self, rows: int, capacity: int) -> Rows:
+        k = self.keys[0]
+        return Rows.empty(self.first, len(self.keys), rows, k.shape[1], k.shape[3], capacity, k.dtype, k.device)
+
+    def reserve(self, columns: int) -> None:
+        """Room for `columns` more tokens without reallocating during a forward."""
+        need = self.length + columns
+        if need <= self.capacity:
+            return
+        grown = self._like(self.size, need + max(HEADROOM, self.length // 2))
+        for old, new in zip(self.keys + self.values, grown.keys + grown.values):
+            new[:, :, :self.length] = old[:, :, :self.length]
+        grown.mask[:, :self.length] = self.mask[:, :self.length]
+        self.keys, self.values, self.mask = grown.keys, grown.values, grown.mask
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformers cache protocol: store this layer's new keys and values, return all so far."""
+        i = layer_idx - self.first
+        end = self.length + key_states.shape[2]
+        self.keys[i][:, :, self.length:end] = key_states
+        self.values[i][:, :, self.length:end] = value_states
+        return self.keys[i][:, :, :end], self.values[i][:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def take(self, rows: list[int]) -> Rows:
+        """A new Rows with these rows, in this order, without the columns that none of them uses."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        mask = self.mask[index, :self.length]
+        used = mask.any(dim=0).nonzero()
+        start = int(used[0]) if used.numel() else self.length
+        width = self.length - start
+        out = self._like(len(rows), width + HEADROOM)
+        for old, new in zip(self.keys + self.values, out.keys + out.values):
+            new[:, :, :width] = old[index, :, start:self.length]
+        out.mask[:, :width] = mask[:, start:]
+        out.positions = self.positions[index].clone()
+        out.length = width
+        return out
+
+    @staticmethod
+    def cat(parts: list[Rows]) -> Rows:
+        """All rows of `parts`, in order, right-aligned on the longest (the others left-padded)."""
+        width = max(p.length for p in parts)
+        out = parts[0]._like(sum(p.size for p in parts), width + HEADROOM)
+        row = 0
+        for p in parts:
+            pad, end = width - p.length, row + p.size
+            for old, new in zip(p.keys + p.values, out.keys + out.values):
+                new[row:end, :, pad:width] = old[:, :, :p.length]
+            out.mask[row:end, pad:width] = p.mask[:, :p.length]
+            out.positions[row:end] = p.positions
+            row = end
+        out.length = width
+        return out
+
+
+class Stack:
+    """Layers [first, last) of a Llama-like causal LM (embed_tokens, rotary_emb, layers, norm,
+    lm_head), run step by step over a Rows cache. `first == 0` embeds; `last == n_layers` applies
+    the final norm and the head."""
+
+    def __init__(self, model: Any, first: int = 0, last: int | None = None) -> None:
+        inner = getattr(model, "model", None)
+        parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if inner is None or not all(hasattr(inner, p) for p in parts) or not hasattr(model, "lm_head"):
+            raise Unsupported(f"{type(model).__name__} is not laid out as the engine needs (model.embed_tokens, "
+                              "model.layers, model.norm, model.rotary_emb, lm_head)")
+        config = model.config
+        kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if kinds != {"full_attention"}:
+            raise Unsupported(f"{config.model_type}: layers of kinds {sorted(kinds)}; the batched engine runs "
+                              "full-attention layers only")
+        window = getattr(config, "sliding_window", None)
+        # A sliding window changes nothing while every sequence fits in it: the context is capped there.
+        self.window: int | None = window if window and getattr(config, "use_sliding_window", True) else None
+        self.model, self.inner, self.config = model, inner, config
+        self.n_layers = len(inner.layers)
+        self.first, self.last = first, self.n_layers if last is None else last
+        self.layers = list(inner.layers)[self.first:self.last]
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        params = inspect.signature(type(self.layers[0]).forward).parameters if self.layers else {}
+        # transformers 5 renamed the layers' cache argument; the old name still works but warns.
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    def rows(self, n: int, capacity: int) -> Rows:
+        return Rows.empty(self.first, len(self.layers), n, self.kv_heads, self.head_dim, capacity, self.dtype,
+                          self.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner.embed_tokens(ids)
+        return out
+
+    def run(self, hidden: torch.Tensor, rows: Rows, position_ids: torch.Tensor,
+            mask: torch.Tensor | None) -> torch.Tensor:
+        """This stack's layers over `hidden` [rows, q, hidden]; their keys and values go into
+        `rows` at columns [length, length + q) (the caller advances `length` afterwards)."""
+        position_embeddings = self.inner.rotary_emb(hidden, position_ids)
+        extra = {self.cache_arg: rows}
+        for layer in self.layers:
+            out = layer(hidden, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                        position_embeddings=position_embeddings, **extra)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of each row's last position, in float32: [rows, vocab]."""
+        logits: torch.Tensor = self.model.lm_head(self.inner.norm(hidden[:, -1:, :]))
+        return logits[:, -1, :].float()
+
+    # The whole model in one place (first == 0 and last == n_layers): what the engine calls.
+
+    def prefill(self, ids: list[int]) -> tuple[Rows, torch.Tensor]:
+        """One new row holding the prompt `ids` (no padding, plain causal attention), and the logits
+        of its next token."""
+        rows = self.rows(1, len(ids) + HEADROOM)
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        positions = torch.arange(len(ids), device=self.device).unsqueeze(0)
+        rows.mask[:, :len(ids)] = True
+        hidden = self.run(self.embed(x), rows, positions, None)
+        rows.length = len(ids)
+        rows.positions += len(ids)
+        return rows, self.head(hidden)
+
+    def decode(self, rows: Rows, tokens: list[int]) -> torch.Tensor:
+        """One step: each row's next token in; the logits of the token after it out."""
+        rows.reserve(1)
+        x = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
+        rows.mask[:, rows.length] = True
+        mask = rows.mask[:, None, None, :rows.length + 1]
+        hidden = self.run(self.embed(x), rows, rows.positions.unsqueeze(1), mask)
+        rows.length += 1
+        rows.positions += 1
+        return self.head(hidden)
