@@ -44,17 +44,26 @@ class ResponseHead:
 
     @property
     def chunked(self) -> bool:
-        return "chunked" in self.headers.get("transfer-encoding", "").lower()
+        return is_chunked(self.headers)
 
     def content_length(self) -> int | None:
-        """The declared body length; None when absent; MalformedHead unless plain ASCII digits."""
-        text = self.headers.get("content-length")
-        if text is None:
-            return None
-        # isdigit alone admits "²" and other Unicode digits that int() then refuses.
-        if not (text.isascii() and text.isdigit()):
-            raise MalformedHead(f"malformed Content-Length {text[:20]!r}")
-        return int(text)
+        return content_length(self.headers)
+
+
+def is_chunked(headers: dict[str, str]) -> bool:
+    """Whether the body comes in chunked framing (lower-cased header names, as ResponseHead has them)."""
+    return "chunked" in headers.get("transfer-encoding", "").lower()
+
+
+def content_length(headers: dict[str, str]) -> int | None:
+    """The declared body length; None when absent; MalformedHead unless plain ASCII digits."""
+    text = headers.get("content-length")
+    if text is None:
+        return None
+    # isdigit alone admits "²" and other Unicode digits that int() then refuses.
+    if not (text.isascii() and text.isdigit()):
+        raise MalformedHead(f"malformed Content-Length {text[:20]!r}")
+    return int(text)
 
 
 def split_head(buf: bytes, limit: int = MAX_HEAD) -> tuple[ResponseHead, bytes] | None:

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 import trio
 
-from wire.http import HeadError, HeadTooLarge, ResponseHead, split_head
+from wire.http import HeadError, HeadTooLarge, content_length, is_chunked, split_head
 
 from .. import sockio
 
@@ -55,12 +55,11 @@ class UpstreamResponse:
         self.pool, self.key = pool, key
         self.reusable = False  # set when the body ended cleanly on a keep-alive connection
         self._buf, self._done, self._need = rest, False, 0
-        head = ResponseHead(status, headers)
-        if head.chunked:
+        if is_chunked(headers):
             self._mode, self._left = "size", None
         else:
             self._mode = "plain"
-            self._left = head.content_length()  # MalformedHead (a ValueError) for anything but digits
+            self._left = content_length(headers)  # MalformedHead for anything but digits
             self._done = self._left == 0
             self.reusable = self._done
 
