@@ -16,6 +16,7 @@ import trio
 
 from wire import manifest as mf
 from wire.layers import LayerRange
+from wire.state import FetchJob
 
 from .peerhttp import PeerError, get, get_bytes
 from .store import CHUNK, Store, fsync_dir
@@ -40,7 +41,7 @@ class Job:
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> FetchJob:
         elapsed = (self.finished or time.monotonic()) - self.started
         return {"digest": self.digest, "state": self.state, "peer": self.peer,
                 "layers": None if self.layers is None else str(self.layers),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from wire.ids import replica_address
 from wire.layers import LayerRange
 
 DEFAULT_AGENT_PORT = 7070
@@ -47,7 +48,7 @@ class ReplicaSpec:
 
     @property
     def address(self) -> str:
-        return f"replica.{self.model}@{self.node}"
+        return replica_address(self.model, self.node)
 
 
 @dataclass(frozen=True, slots=True)
