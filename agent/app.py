@@ -13,6 +13,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from wire.state import AgentState
 from wire.windows import Window, status
 
 from . import environment, inventory, routes
@@ -59,7 +60,7 @@ class AgentContext:
     clock: Callable[[], datetime] = local_now
     engines: dict[str, Any] = field(default_factory=environment.engines)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> AgentState:
         now = self.clock()
         return {
             "identity": {"id": self.identity.id, "name": self.identity.name,

@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 import psutil
 
+from wire.state import GpuJson, Inventory
+
 
 @dataclass(frozen=True, slots=True)
 class Gpu:
@@ -20,7 +22,7 @@ class Gpu:
     memory_total_bytes: int
     memory_free_bytes: int
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> GpuJson:
         return {"index": self.index, "name": self.name, "uuid": self.uuid,
                 "memory_total_bytes": self.memory_total_bytes, "memory_free_bytes": self.memory_free_bytes}
 
@@ -99,7 +101,7 @@ def default_probe() -> GpuProbe:
         return NoGpus(f"NVML unavailable: {exc}")
 
 
-def measure(home: Path, probe: GpuProbe) -> dict[str, Any]:
+def measure(home: Path, probe: GpuProbe) -> Inventory:
     mem = psutil.virtual_memory()
     disk = shutil.disk_usage(home)
     gpus = probe.gpus()

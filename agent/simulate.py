@@ -12,12 +12,14 @@ import json
 import logging
 import signal
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, cast
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from wire.state import WeightsEntry
 
 from . import __version__
 from .app import AgentContext, Spawner, create_app
@@ -79,8 +81,10 @@ class ClaimedStore:
 
     def __init__(self, store: Store, claims: Sequence[dict[str, Any]]) -> None:
         self.store = store
-        self.claims = {c["digest"]: {**c, "name": c.get("name", ""), "layers": None, "slice": None,
-                                     "path": "(simulated)", "simulated": True} for c in claims}
+        # A claim comes as JSON from the command line (digest, format, bytes); completed here it
+        # has every field of a weights entry, which the cast records.
+        self.claims = {c["digest"]: cast(WeightsEntry, {**c, "name": c.get("name", ""), "layers": None, "slice": None,
+                                                        "path": "(simulated)", "simulated": True}) for c in claims}
 
     def blob_path(self, sha: str) -> Path:
         return self.store.blob_path(sha)
@@ -91,12 +95,12 @@ class ClaimedStore:
     def manifest_bytes(self, digest: str) -> bytes:
         return self.store.manifest_bytes(digest)  # a claimed model has no manifest to give a peer
 
-    def entry(self, digest: str) -> dict[str, Any]:
+    def entry(self, digest: str) -> WeightsEntry:
         claimed = self.claims.get(digest)
-        return dict(claimed) if claimed is not None else self.store.entry(digest)
+        return claimed.copy() if claimed is not None else self.store.entry(digest)
 
-    def entries(self) -> list[dict[str, Any]]:
-        return self.store.entries() + [dict(c) for c in self.claims.values()]
+    def entries(self) -> list[WeightsEntry]:
+        return self.store.entries() + [c.copy() for c in self.claims.values()]
 
     def digests(self) -> Iterator[str]:
         yield from self.store.digests()

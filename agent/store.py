@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 from wire import manifest as mf
+from wire.state import WeightsEntry
 
 CHUNK = 1 << 20
 _SKIP_DIRS = {".git", ".cache", "__pycache__"}
@@ -31,9 +32,9 @@ class WeightStore(Protocol):
 
     def manifest_bytes(self, digest: str) -> bytes: ...
 
-    def entry(self, digest: str) -> dict[str, Any]: ...
+    def entry(self, digest: str) -> WeightsEntry: ...
 
-    def entries(self) -> list[dict[str, Any]]: ...
+    def entries(self) -> list[WeightsEntry]: ...
 
     def digests(self) -> Iterator[str]: ...
 
@@ -139,7 +140,7 @@ class Store:
         except (OSError, ValueError, KeyError):
             return {}
 
-    def entry(self, digest: str) -> dict[str, Any]:
+    def entry(self, digest: str) -> WeightsEntry:
         m = self.load_manifest(digest)
         try:
             name = json.loads((self.meta / f"{digest[7:]}.json").read_text()).get("name", "")
@@ -151,7 +152,7 @@ class Store:
                 "bytes": sum(f["size"] for f in m["files"]), "layers": m.get("layers"),
                 "slice": m.get("slice"), "path": str(path)}
 
-    def entries(self) -> list[dict[str, Any]]:
+    def entries(self) -> list[WeightsEntry]:
         return [self.entry(d) for d in self.digests()]
 
     # ---- import ----

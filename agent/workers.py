@@ -14,6 +14,8 @@ from typing import Any, Callable, Mapping
 
 import trio
 
+from wire.state import ServerEntry, ServerExit, WeightsEntry
+
 from . import backends
 from .launch import BadSettings, Launcher, LaunchSpec, Process
 from .store import WeightStore
@@ -61,18 +63,18 @@ class Server:
     state: str = "starting"
     pid: int | None = None
     reason: str | None = None
-    exit: dict[str, Any] | None = None
+    exit: ServerExit | None = None
     started: float = field(default_factory=time.time)
     proc: Process | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> ServerEntry:
         return {"id": self.id, "state": self.state, "model": self.digest, "backend": self.backend,
                 "host": self.host, "port": self.port, "pid": self.pid, "settings": self.settings,
                 "speculative": self.speculative, "uptime_s": round(time.time() - self.started, 1),
                 "reason": self.reason, "exit": self.exit}
 
 
-def _describe_exit(code: int) -> tuple[str, dict[str, Any]]:
+def _describe_exit(code: int) -> tuple[str, ServerExit]:
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
         return f"was killed by signal {-code} ({name})", {"code": None, "signal": -code}
@@ -105,7 +107,7 @@ class Workers:
     def _model_path(self, digest: str, what: str) -> str:
         return str(self._model(digest, what)["path"])
 
-    def _model(self, digest: str, what: str) -> dict[str, Any]:
+    def _model(self, digest: str, what: str) -> WeightsEntry:
         if not self.store.is_present(digest):
             raise Refused(409, "model_not_held", f"{what} {digest} is not held on this node; replicate it first")
         entry = self.store.entry(digest)

@@ -145,7 +145,8 @@ class _Planner:
                     self.diags.append(error(
                         "encrypted_remote_unsupported",
                         f"encrypted model {want.model.name!r} cannot be replicated to {node!r}: encrypted weights "
-                        f"never leave the control plane's node ({self.cp!r})", address=replica_address(want.address_model, node)))
+                        f"never leave the control plane's node ({self.cp!r})",
+                        address=replica_address(want.address_model, node)))
                     continue
                 by_digest.setdefault(digest, []).append((node, want))
         for digest, targets in by_digest.items():

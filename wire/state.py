@@ -72,6 +72,7 @@ class WeightsEntry(TypedDict):
     layers: int | None  # how many layers the held weights have (None: unknown, e.g. GGUF)
     slice: SliceInfo | None
     path: str
+    simulated: NotRequired[bool]  # claimed by a simulated agent (fleet-agent simulate): no bytes behind it
 
 
 class FetchJob(TypedDict):
