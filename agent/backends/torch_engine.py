@@ -23,6 +23,7 @@ import torch
 
 from .torch_layers import Rows, Stack
 
+PREFILL_TOKENS = 4096  # prompt tokens prefilled in one forward at most (a long prompt still goes alone)
 Notify = Callable[[Callable[[], None]], None]  # run a callback on the reader's event loop, from any thread
 
 
@@ -121,6 +122,7 @@ class Engine:
     def __init__(self, stack: Stack, eos: set[int], max_batch: int = 16,
                  solo: Callable[[Job, Callable[[int], bool]], None] | None = None, threads: int | None = None) -> None:
         self.stack, self.eos, self.max_batch, self.solo, self.threads = stack, frozenset(eos), max_batch, solo, threads
+        self.prefill_tokens = PREFILL_TOKENS
         self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._kick = threading.Event()
         self._waiting: deque[Job] = deque()
@@ -192,14 +194,23 @@ class Engine:
         return True
 
     def _admit(self) -> None:
-        while self._waiting and len(self._active) + len(self._aside) < self.max_batch:
+        """Prefill every request that fits, together, and hand each its first token."""
+        jobs: list[Job] = []
+        tokens = 0
+        while self._waiting and len(self._active) + len(self._aside) + len(jobs) < self.max_batch and (
+                not jobs or tokens + len(self._waiting[0].prompt) <= self.prefill_tokens):
             job = self._waiting.popleft()
+            tokens += len(job.prompt)
             job.generator = torch.Generator(device=self.stack.device)
             job.generator.manual_seed(job.params.seed if job.params.seed is not None else secrets.randbits(63))
-            with torch.inference_mode():
-                rows, logits = self.stack.prefill(job.prompt)
-            if not self._emit(job, self._pick(logits, [job])[0]):
-                self._aside[job] = rows
+            jobs.append(job)
+        if not jobs:
+            return
+        with torch.inference_mode():
+            rows, logits = self.stack.prefill_many([j.prompt for j in jobs])
+        for i, (job, tok) in enumerate(zip(jobs, self._pick(logits, jobs))):
+            if not self._emit(job, tok):
+                self._aside[job] = rows if len(jobs) == 1 else rows.take([i])
 
     def _regroup(self) -> None:
         """Rows whose reader is full go aside; rows set aside (or new) whose reader has room join;

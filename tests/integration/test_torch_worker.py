@@ -227,15 +227,16 @@ def test_a_client_that_leaves_frees_its_row(tiny: Worker) -> None:
     assert tiny.stats()["rows"] == 0
 
 
+@pytest.fixture(scope="module")
+def smol(smollm2_f32: Path) -> Iterator[Worker]:
+    w = Worker(smollm2_f32)
+    yield w
+    w.stop()
+
+
 @pytest.mark.e2e
 class TestSmolLM2:
     """The real instruct model (float32 twin of the GGUF, made by fleet-agent convert)."""
-
-    @pytest.fixture(scope="class")
-    def smol(self, smollm2_f32: Path) -> Iterator[Worker]:
-        w = Worker(smollm2_f32)
-        yield w
-        w.stop()
 
     def test_answers_a_factual_question(self, smol: Worker) -> None:
         r = smol.client().chat.completions.create(

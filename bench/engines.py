@@ -1,0 +1,191 @@
+"""bench/engines: each engine serving SmolLM2-135M-Instruct, at 1 stream and at 8 concurrent
+streams in one run: aggregate tokens/s, the ratio, and each stream's time to first token (TTFT)
+against the single stream's. Targets (issue 13), PyTorch engine: 8 streams >= 3x one stream, no
+stream's TTFT worse than 2x the single-stream figure.
+
+Engines, each started as the agent starts it (with --threads T):
+  torch        python -m agent.backends.torch_worker (the batched engine), on the float32 twin
+               made by `fleet-agent convert` (cached under .pytest_cache/fleet-models)
+  llama_cpp    python -m llama_cpp.server on the GGUF, as launched today
+  llama_cpp_ni the same with --interrupt_requests False (the server's default, True, ends a stream
+               early with [DONE] whenever another request arrives: see "cut")
+  llama_cpp_xN N such servers (N = --procs, each with T threads), streams spread round-robin:
+               what several engine processes behind the router give
+
+Each stream asks for a story (greedy, --tokens new tokens, counted from the usage chunk or the
+chunks) and sends its requests back to back. Three runs per engine: 1 stream (--requests in a
+row); n at once (n requests arriving together, as one padded batch would take them); n streams
+(--requests each, stream i starting i/n of a request's time after the first, as users arrive).
+TTFT ratios are against the single stream's median; "cut" counts answers that ended short of
+their tokens without finish_reason stop (a silent cut).
+
+    .venv/bin/python bench/engines.py [--engines torch,llama_cpp_ni] [--threads 1] [--tokens 32]
+        [--requests 3] [--streams 8] [--procs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+from reconciler.netutil import free_port  # noqa: E402
+from tests.models import smollm2_gguf, smollm2_safetensors  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+TOPICS = ["a dragon who learns to cook", "a lighthouse keeper and a storm", "a robot that paints the sea",
+          "two friends crossing a desert", "a city that never sleeps", "a cat who runs a bakery",
+          "the last train of the night", "a garden on the moon"]
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    ttft: float
+    tokens: int
+    finish: str | None
+
+
+class Engine:
+    """One or more engine processes on loopback, stopped by stop()."""
+
+    def __init__(self, argvs: list[list[str]], health: str) -> None:
+        self.urls: list[str] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for argv in argvs:
+            port = free_port(HOST)
+            self.urls.append(f"http://{HOST}:{port}")
+            self.procs.append(subprocess.Popen([*argv, "--host", HOST, "--port", str(port)],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for url, proc in zip(self.urls, self.procs):
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if httpx.get(url + health, timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise SystemExit(f"engine {argv} did not come up")
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def ask(client: httpx.Client, url: str, topic: str, tokens: int) -> Result:
+    body = {"model": "m", "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
+            "max_tokens": tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, chunks, usage, finish = 0.0, 0, None, None
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+            for c in event.get("choices") or []:
+                if c.get("delta", {}).get("content"):
+                    chunks += 1
+                    ttft = ttft or time.perf_counter() - t0
+                finish = c.get("finish_reason") or finish
+    return Result(ttft, usage if usage is not None else chunks, finish)
+
+
+def streams(urls: list[str], n: int, requests: int, tokens: int, stagger: float = 0.0) -> tuple[float, list[list[Result]]]:
+    """n streams, each `requests` requests back to back, stream i starting i * stagger seconds after
+    the first: (wall seconds, results per stream)."""
+    out: list[list[Result]] = [[] for _ in range(n)]
+    go = threading.Barrier(n + 1)
+
+    def run(i: int) -> None:
+        with httpx.Client(timeout=600) as client:
+            go.wait()
+            time.sleep(i * stagger)
+            for k in range(requests):
+                out[i].append(ask(client, urls[i % len(urls)], TOPICS[(i + k) % len(TOPICS)], tokens))
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, out
+
+
+def measure(name: str, engine: Engine, args: argparse.Namespace) -> None:
+    with httpx.Client(timeout=600) as client:
+        ask(client, engine.urls[0], "warming up", 4)
+    n = args.streams
+    wall1, one = streams(engine.urls, 1, args.requests, args.tokens)
+    tps1 = sum(r.tokens for r in one[0]) / wall1
+    ttft1 = statistics.median(r.ttft for r in one[0])
+    wallb, burst = streams(engine.urls, n, 1, args.tokens)
+    tpsb = sum(r.tokens for s in burst for r in s) / wallb
+    ttftb = max(s[0].ttft for s in burst)
+    # Spread arrivals: stream i joins i/n of a request's time after stream 0, as users do.
+    walls, steady = streams(engine.urls, n, args.requests, args.tokens, stagger=wall1 / args.requests / n)
+    tpss = sum(r.tokens for s in steady for r in s) / walls
+    worst = max(statistics.median(r.ttft for r in s) for s in steady)
+    cut = sum(1 for runs in (burst, steady) for s in runs for r in s if r.tokens < args.tokens and r.finish != "stop")
+    print(f"{name:<14} 1 stream: {tps1:5.1f} tok/s, TTFT {ttft1 * 1000:4.0f} ms | {n} at once: {tpsb:5.1f} tok/s "
+          f"({tpsb / tps1:4.2f}x), worst TTFT {ttftb / ttft1:4.1f}x | {n} streams: {tpss:5.1f} tok/s "
+          f"({tpss / tps1:4.2f}x), worst stream's median TTFT {worst / ttft1:4.1f}x | cut {cut}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default="torch,llama_cpp,llama_cpp_ni,llama_cpp_xN")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=3, help="requests per stream, back to back")
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--procs", type=int, default=2, help="processes for llama_cpp_xN")
+    args = ap.parse_args()
+    gguf = smollm2_gguf()
+    py, t = sys.executable, str(args.threads)
+    llama = [py, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", t, "--n_ctx", "2048"]
+    print(f"SmolLM2-135M-Instruct, {args.tokens} tokens per request, {args.requests} requests per stream, "
+          f"{args.threads} thread(s) per engine process", flush=True)
+    for name in args.engines.split(","):
+        if name == "torch":
+            model = smollm2_safetensors(ROOT / ".pytest_cache" / "d" / "fleet-models", "float32")  # the tests' copy
+            engine = Engine([[py, "-m", "agent.backends.torch_worker", "--model", str(model), "--threads", t]],
+                            "/health")
+        elif name == "llama_cpp":
+            engine = Engine([llama], "/v1/models")
+        elif name == "llama_cpp_ni":
+            engine = Engine([[*llama, "--interrupt_requests", "False"]], "/v1/models")
+        elif name == "llama_cpp_xN":
+            name = f"llama_cpp_x{args.procs}"
+            engine = Engine([[*llama, "--interrupt_requests", "False"]] * args.procs, "/v1/models")
+        else:
+            raise SystemExit(f"unknown engine {name}")
+        try:
+            measure(name, engine, args)
+        finally:
+            engine.stop()
+
+
+if __name__ == "__main__":
+    main()
