@@ -49,7 +49,6 @@ class ObservedNode:
     weights: dict[str, HeldModel] = field(default_factory=dict)
     fetching: frozenset[str] = frozenset()
     servers: dict[str, ObservedServer] = field(default_factory=dict)
-    fingerprint: str = ""
     agent_version: str = ""
     accelerator: str = ""
     home: str = ""  # the agent's home directory (the disk it reports on)
@@ -58,6 +57,11 @@ class ObservedNode:
     @property
     def ok(self) -> bool:
         return self.error_code is None
+
+    @property
+    def fingerprint(self) -> str:
+        """fingerprint(state), computed when asked: the planner asks, the heartbeat never does."""
+        return fingerprint(self.state) if self.state is not None else ""
 
     def snapshot_entry(self) -> dict[str, Any]:
         """This node in a snapshot: its state, or the error that stood in for it."""
@@ -107,7 +111,7 @@ def node_from_state(name: str, state: dict[str, Any]) -> ObservedNode:
         simulated=bool(inv.get("simulated")), inside_window=bool(avail.get("inside", True)),
         windows=tuple(avail.get("windows", [])), weights=weights,
         fetching=frozenset(f["digest"] for f in state.get("fetches", [])), servers=servers,
-        fingerprint=fingerprint(state), agent_version=state.get("agent_version", ""),
+        agent_version=state.get("agent_version", ""),
         accelerator=state.get("variant", {}).get("accelerator", ""), home=inv.get("disk", {}).get("path", ""),
         state=state)
 
