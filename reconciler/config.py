@@ -15,8 +15,8 @@ from wire.layers import LayerRange, LayerRangeError
 from . import schema, source
 from .diagnostics import Diagnostic, error, format_path, has_errors, warning
 from .model import (DEFAULT_AGENT_PORT, DEFAULT_LISTEN, DEFAULT_STARTUP_TIMEOUT_S, ClusterSpec,
-                    ControlPlaneSpec, Desired, ModelSpec, NodeSpec, ReplicaSpec, ServeTlsSpec, Settings,
-                    SpeculativeSpec)
+                    ControlPlaneSpec, Desired, ModelSpec, NodeSpec, PipelineSpec, ReplicaSpec, ServeTlsSpec,
+                    Settings, SpeculativeSpec)
 from .source import Document, YamlPath
 
 
@@ -76,6 +76,13 @@ class _Checker:
         self.diags: list[Diagnostic] = []
         # Each slice's range as parsed while checking, by (model, index), for _build.
         self.layers: dict[tuple[str, int], LayerRange] = {}
+        # What each node holds of each model: its slice (None: whole) and where the replica is written.
+        self.held: dict[tuple[str, str], tuple[LayerRange | None, YamlPath]] = {}
+        # Nodes serving each model as pipeline stages: their slices are checked per pipeline.
+        self.staged: dict[str, set[str]] = defaultdict(set)
+        for cluster in self.data.get("clusters", {}).values():
+            if cluster.get("pipeline", False) is not False:
+                self.staged[cluster["model"]].update(cluster["members"])
 
     def add(self, code: str, path: YamlPath, summary: str, detail: str = "", *, key: bool = False,
             severity: str = "error") -> None:
@@ -138,6 +145,7 @@ class _Checker:
                     continue
                 first_at[node] = i
                 holders[model_name].add(node)
+                self.held[(model_name, node)] = (None, path)
                 if isinstance(item, dict) and "layers" in item:
                     lpath = ("replicas", model_name, i, "layers")
                     try:
@@ -146,6 +154,7 @@ class _Checker:
                         self.add("invalid_layers", lpath, str(exc), _layers_hint(item["layers"]))
                         continue
                     self.layers[(model_name, i)] = rng
+                    self.held[(model_name, node)] = (rng, lpath)
                     if known and model.get("format") == "gguf":
                         self.add("slice_unsupported", lpath,
                                  f"model {model_name!r} is GGUF: only safetensors models can be sliced by layers")
@@ -155,7 +164,8 @@ class _Checker:
                                  f"layers {rng} are outside model {model_name!r}, which has "
                                  f"{model['layers']} layers (0-{model['layers'] - 1})")
                         continue
-                    slices.append((rng, node, lpath))
+                    if node not in self.staged[model_name]:
+                        slices.append((rng, node, lpath))
             self.check_slices(model_name, model, slices)
         return holders
 
@@ -207,7 +217,7 @@ class _Checker:
                              "server per cluster.")
                     continue
                 seen[member] = i
-                if known and member not in holders.get(model_name, set()) \
+                if known and cluster.get("pipeline", False) is False and member not in holders.get(model_name, set()) \
                         and member != self.models[model_name]["source"]:
                     self.add("member_without_replica", mpath,
                              f"{member!r} serves {model_name!r} in cluster {cname!r} but holds no replica of it",
@@ -219,7 +229,81 @@ class _Checker:
                              f"cluster {cname!r} and {other} both use port {cluster['port']} on node {member!r}")
                 else:
                     bound[port_key] = (f"cluster {cname!r}", base + ("port",))
+            if known and cluster.get("pipeline", False) is not False:
+                self.check_pipeline(cname, cluster, bound)
             self.check_speculative(cname, cluster, holders)
+
+    def check_pipeline(self, cname: str, cluster: dict[str, Any],
+                       bound: dict[tuple[str, int], tuple[str, YamlPath]]) -> None:
+        """The stages of a pipeline: slices of a safetensors model, in member order, covering each of
+        its layers exactly once; the rendezvous port free on the first member's node."""
+        base: YamlPath = ("clusters", cname)
+        model_name, model = cluster["model"], self.models[cluster["model"]]
+        if model["format"] == "gguf":
+            self.add("pipeline_gguf_unsupported", base + ("pipeline",),
+                     f"cluster {cname!r} is a pipeline of GGUF model {model_name!r}: only safetensors models "
+                     "can be served in stages", "llama.cpp servers run whole, on the control plane's node.")
+            return
+        if "speculative" in cluster.get("settings", {}):
+            self.add("pipeline_speculative_unsupported", base + ("settings", "speculative"),
+                     f"cluster {cname!r} is a pipeline: its stages cannot run speculative decoding")
+        stages: list[tuple[LayerRange, str, YamlPath]] = []
+        for i, member in enumerate(cluster["members"]):
+            if member not in self.nodes or member in cluster["members"][:i]:
+                continue  # reported above
+            rng, path = self.held.get((model_name, member), (None, ()))
+            if rng is None:
+                holds = ("holds the whole model" if path or member == model["source"] else "holds nothing of it")
+                self.add("pipeline_member_not_slice", base + ("members", i),
+                         f"{member!r} is a stage of pipeline {cname!r} but {holds}",
+                         f"A stage holds a slice: list {{node: {member}, layers: FIRST-LAST}} under "
+                         f"replicas.{model_name}.")
+                return
+            stages.append((rng, member, path))
+        for (before, other, _), (rng, member, _) in zip(stages, stages[1:]):
+            if rng.first < before.first:
+                self.add("pipeline_out_of_order", base + ("members", cluster["members"].index(member)),
+                         f"members of pipeline {cname!r} are not in layer order: {member!r} holds layers {rng}, "
+                         f"which come before those of {other!r} ({before})",
+                         "List the members in the order of their layers, from layer 0.")
+                return
+        expected_next = 0
+        for n, (rng, member, path) in enumerate(stages):
+            if rng.first < expected_next:
+                self.add("pipeline_layers_overlap", path,
+                         f"stages of pipeline {cname!r} overlap: {member!r} holds {rng} and "
+                         f"{stages[n - 1][1]!r} holds {stages[n - 1][0]}",
+                         "Each layer is run by exactly one stage: start this slice where the previous one ends.")
+                return
+            if rng.first > expected_next:
+                self.add("pipeline_layers_gap", path,
+                         f"stages of pipeline {cname!r} leave layers {LayerRange(expected_next, rng.first - 1)} "
+                         "unserved", "The stages' slices must follow each other from layer 0 without gaps.")
+                return
+            expected_next = rng.last + 1
+        total = model.get("layers")
+        if stages and total is not None and expected_next < total:
+            self.add("pipeline_layers_gap", stages[-1][2],
+                     f"stages of pipeline {cname!r} leave layers {LayerRange(expected_next, total - 1)} unserved",
+                     f"Model {model_name!r} has {total} layers; the last stage must end at layer {total - 1}.")
+        self.check_rendezvous(cname, cluster, bound)
+
+    def check_rendezvous(self, cname: str, cluster: dict[str, Any],
+                         bound: dict[tuple[str, int], tuple[str, YamlPath]]) -> None:
+        spec = cluster["pipeline"]
+        path: YamlPath = ("clusters", cname, "pipeline") + (("rendezvous_port",) if isinstance(spec, dict)
+                                                             and "rendezvous_port" in spec else ())
+        port, first = _rendezvous_port(cluster), cluster["members"][0]
+        if port > 65535:
+            self.add("pipeline_port_conflict", path,
+                     f"pipeline {cname!r} would meet on port {port} (its port + 1), which does not exist",
+                     "Give it one: pipeline: {rendezvous_port: PORT}.")
+        elif (first, port) in bound:
+            self.add("pipeline_port_conflict", path,
+                     f"the rendezvous of pipeline {cname!r} and {bound[(first, port)][0]} both use port {port} "
+                     f"on node {first!r}", "The first stage's node hosts the rendezvous: pick a port free there.")
+        else:
+            bound[(first, port)] = (f"the rendezvous of pipeline {cname!r}", path)
 
     def check_speculative(self, cname: str, cluster: dict[str, Any], holders: dict[str, set[str]]) -> None:
         spec = cluster.get("settings", {}).get("speculative")
@@ -245,6 +329,12 @@ class _Checker:
                 self.add("draft_not_replicated", ("clusters", cname, "members", i),
                          f"{member!r} runs cluster {cname!r} with draft model {draft!r} but holds no replica of it",
                          f"Add {member!r} to replicas.{draft}.")
+
+
+def _rendezvous_port(cluster: dict[str, Any]) -> int:
+    spec = cluster["pipeline"]
+    return int(spec["rendezvous_port"]) if isinstance(spec, dict) and "rendezvous_port" in spec \
+        else int(cluster["port"]) + 1
 
 
 def _suggest(name: str, known: dict[str, Any], section: str) -> str:
@@ -283,8 +373,9 @@ def _build(data: dict[str, Any], layers: dict[tuple[str, int], LayerRange]) -> D
                             batch_size=s.get("batch_size"), tensor_parallel=s.get("tensor_parallel"),
                             speculative=speculative,
                             startup_timeout_s=float(s.get("startup_timeout_s", DEFAULT_STARTUP_TIMEOUT_S)))
+        pipeline = None if c.get("pipeline", False) is False else PipelineSpec(_rendezvous_port(c))
         clusters[name] = ClusterSpec(name=name, model=c["model"], members=tuple(c["members"]), port=c["port"],
-                                     settings=settings)
+                                     settings=settings, pipeline=pipeline)
     return Desired(version=data["version"],
                    control_plane=ControlPlaneSpec(node=cp["node"], listen=cp.get("listen", DEFAULT_LISTEN),
                                                   api_keys_env=cp.get("api_keys_env"),

@@ -69,12 +69,21 @@ class Settings:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineSpec:
+    """A cluster whose members each hold a slice and run only its layers, one stage each, in
+    member order; the first stage's node hosts the rendezvous on `rendezvous_port`."""
+
+    rendezvous_port: int
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterSpec:
     name: str
     model: str
     members: tuple[str, ...]
     port: int
     settings: Settings = field(default_factory=Settings)
+    pipeline: PipelineSpec | None = None  # None: every member serves the whole model
 
 
 @dataclass(frozen=True, slots=True)

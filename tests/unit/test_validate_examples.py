@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from reconciler import cli, config
+from reconciler.model import PipelineSpec
 from tests.conftest import ROOT, run_cli
 
 BROKEN = sorted((ROOT / "examples" / "broken").glob("*.yaml"))
@@ -25,7 +26,9 @@ def test_there_is_a_broken_file_per_class_of_mistake() -> None:
     codes = {expectation(p)[0] for p in BROKEN}
     assert {"schema_violation", "yaml_syntax", "duplicate_key", "unknown_node", "unknown_model",
             "address_conflict", "port_conflict", "slice_overlap", "slice_gap", "duplicate_replica",
-            "duplicate_member", "config_empty", "config_not_text"} <= codes
+            "duplicate_member", "config_empty", "config_not_text", "pipeline_layers_gap",
+            "pipeline_layers_overlap", "pipeline_out_of_order", "pipeline_member_not_slice",
+            "pipeline_gguf_unsupported", "pipeline_port_conflict"} <= codes
 
 
 def test_example_fleet_is_valid_as_a_user_runs_it() -> None:
@@ -87,6 +90,81 @@ def test_json_output_shape(capsys: pytest.CaptureFixture[str]) -> None:
                    "diagnostics": []}
 
 
-@pytest.mark.parametrize("name", ["local-demo.yaml", "multi-node.yaml"])
+@pytest.mark.parametrize("name", ["local-demo.yaml", "multi-node.yaml", "pipeline.yaml"])
 def test_example_fleets_are_valid(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.run(["validate", str(ROOT / "examples" / name)]) == 0, capsys.readouterr().err
+
+
+def test_pipeline_example_builds_its_stages() -> None:
+    loaded = config.load(ROOT / "examples" / "pipeline.yaml")
+    assert loaded.ok and loaded.desired is not None
+    big = loaded.desired.clusters["big"]
+    assert big.members == ("gpu-a", "gpu-b") and big.pipeline is not None
+    assert big.pipeline.rendezvous_port == 9103
+    assert loaded.desired.clusters["big"].settings.threads == 1
+
+
+def pipeline_fleet(cluster: str, replicas: str = '[{node: a, layers: "0-14"}, {node: b, layers: "15-29"}]',
+                   fmt: str = "safetensors", layers: str = ", layers: 30") -> config.Loaded:
+    return config.load_text(f"""version: 1
+control_plane: {{node: cp}}
+nodes: {{cp: {{address: 10.0.0.1}}, a: {{address: 10.0.0.2}}, b: {{address: 10.0.0.3}}, c: {{address: 10.0.0.4}}}}
+models:
+  m: {{format: {fmt}, digest: "sha256:{'1' * 64}", source: cp{layers}}}
+replicas:
+  m: {replicas}
+clusters:
+{cluster}
+""", "fleet.yaml")
+
+
+def codes(loaded: config.Loaded) -> list[str]:
+    return [d.code for d in loaded.diagnostics]
+
+
+def test_pipeline_true_meets_on_the_next_port_and_false_is_an_ordinary_cluster() -> None:
+    loaded = pipeline_fleet("  big: {model: m, members: [a, b], port: 9003, pipeline: true}")
+    assert loaded.ok and loaded.desired is not None
+    assert loaded.desired.clusters["big"].pipeline == PipelineSpec(9004)
+    ordinary = pipeline_fleet("  big: {model: m, members: [cp], port: 9003, pipeline: false}")
+    assert ordinary.ok and ordinary.desired is not None and ordinary.desired.clusters["big"].pipeline is None
+
+
+@pytest.mark.parametrize("cluster, replicas, expected", [
+    # a stage that holds nothing of the model, and the source (which holds it whole) as a stage
+    ("  big: {model: m, members: [a, c], port: 9003, pipeline: true}", None, "pipeline_member_not_slice"),
+    ("  big: {model: m, members: [cp, b], port: 9003, pipeline: true}", None, "pipeline_member_not_slice"),
+    # the last stage stops short of the model's last layer
+    ("  big: {model: m, members: [a, b], port: 9003, pipeline: true}",
+     '[{node: a, layers: "0-14"}, {node: b, layers: "15-28"}]', "pipeline_layers_gap"),
+    # the first stage does not start at layer 0
+    ("  big: {model: m, members: [a, b], port: 9003, pipeline: true}",
+     '[{node: a, layers: "1-14"}, {node: b, layers: "15-29"}]', "pipeline_layers_gap"),
+    ("  big: {model: m, members: [a, b], port: 65535, pipeline: true}", None, "pipeline_port_conflict"),
+    ("  big: {model: m, members: [a, b], port: 9003, pipeline: {rendezvous_port: 9003}}", None,
+     "pipeline_port_conflict"),
+    ("  big: {model: m, members: [a, b], port: 9003, pipeline: true, settings: {speculative: {mode: prompt_lookup}}}",
+     None, "pipeline_speculative_unsupported"),
+    # a later cluster on the rendezvous port of the first stage's node
+    ("  big: {model: m, members: [a, b], port: 9003, pipeline: true}\n  other: {model: m, members: [a], port: 9004}",
+     '[{node: a, layers: "0-14"}, {node: b, layers: "15-29"}]', "port_conflict"),
+])
+def test_pipeline_refusals(cluster: str, replicas: str | None, expected: str) -> None:
+    loaded = pipeline_fleet(cluster, *([replicas] if replicas else []))
+    assert expected in codes(loaded), [d.summary for d in loaded.diagnostics]
+
+
+def test_two_pipelines_of_one_model_each_cover_it_once() -> None:
+    both = pipeline_fleet("  one: {model: m, members: [a, b], port: 9003, pipeline: true}\n"
+                          "  two: {model: m, members: [c, cp], port: 9003, pipeline: true}",
+                          '[{node: a, layers: "0-14"}, {node: b, layers: "15-29"}, {node: c, layers: "0-9"}, '
+                          '{node: cp, layers: "10-29"}]')
+    assert both.ok, [d.summary for d in both.diagnostics]
+
+
+def test_pipeline_without_a_layer_count_checks_what_it_can() -> None:
+    loaded = pipeline_fleet("  big: {model: m, members: [a, b], port: 9003, pipeline: true}",
+                            '[{node: a, layers: "0-14"}, {node: b, layers: "16-29"}]', layers="")
+    assert codes(loaded) == ["pipeline_layers_gap"]
+    gguf = pipeline_fleet("  big: {model: m, members: [cp], port: 9003, pipeline: true}", "[cp]", fmt="gguf")
+    assert codes(gguf) == ["pipeline_gguf_unsupported"]
