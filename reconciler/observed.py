@@ -32,6 +32,7 @@ class ObservedServer:
     port: int
     settings: dict[str, Any]
     reason: str | None = None
+    group: str | None = None  # the pipeline group a stage was started in (its `pipeline.group`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +103,8 @@ def node_from_state(name: str, state: dict[str, Any]) -> ObservedNode:
         weights[w["digest"]] = HeldModel(w["digest"], w.get("format", ""), int(w.get("bytes", 0)),
                                          sl.get("of"), sl.get("layers"), w.get("name") or "", w.get("path") or "")
     servers = {s["id"]: ObservedServer(s["id"], s.get("state", ""), s.get("model", ""), int(s.get("port", 0)),
-                                       dict(s.get("settings") or {}), s.get("reason"))
+                                       dict(s.get("settings") or {}), s.get("reason"),
+                                       (s.get("pipeline") or {}).get("group"))
                for s in state.get("servers", [])}
     return ObservedNode(
         name=name, identity=state.get("identity", {}).get("id"), observed_at=state.get("observed_at"),

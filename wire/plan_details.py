@@ -39,8 +39,33 @@ class ServerSettings(TypedDict, total=False):
     startup_timeout_s: float
 
 
+class Rendezvous(TypedDict):
+    """Where a pipeline's stages meet (torch.distributed tcp:// init): the first stage's node."""
+
+    address: str
+    port: int
+
+
+class Stage(TypedDict):
+    node: str
+    address: str  # the node's address; the stage listens there on the cluster's port
+    layers: str  # LayerRange as written ("0-14")
+
+
+class PipelineDetails(TypedDict):
+    """A pipeline stage's place in its group; the same on every stage but `rank`. The agent passes
+    it to the stage worker and reports {group, rank, world_size} back in the server's entry."""
+
+    group: str  # 16 hex: digest of the stages, their slices, the port, rendezvous and settings
+    rank: int  # this stage's index in `stages`
+    world_size: int
+    rendezvous: Rendezvous
+    stages: list[Stage]  # in layer order
+
+
 class StartDetails(TypedDict):
-    """start: run cluster `cluster`'s server `server_id` on `host`:`port`."""
+    """start: run cluster `cluster`'s server `server_id` on `host`:`port`. A pipeline stage's
+    `digest` is its slice's, and `pipeline` places it in its group."""
 
     cluster: str
     server_id: str  # wire.ids.server_id(cluster, node)
@@ -49,12 +74,14 @@ class StartDetails(TypedDict):
     port: int
     host: str
     settings: ServerSettings
+    pipeline: NotRequired[PipelineDetails]
 
 
 class RunningServer(TypedDict):
     model: str  # digest
     port: int
     settings: dict[str, Any]  # as the agent reports them
+    group: NotRequired[str]  # a pipeline stage's group
 
 
 class ReplaceDetails(StartDetails):
