@@ -16,7 +16,7 @@ import json
 import sys
 import time
 import traceback
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 import trio
 from starlette.applications import Starlette
@@ -33,8 +33,21 @@ STREAM_BUFFER = 64  # tokens a reader may fall behind before its request waits f
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+class Scheduler(Protocol):
+    """What the HTTP layer asks of the engine behind it: this worker's batched engine, or the
+    scheduler of a pipeline's first stage (agent/backends/pipeline_engine.py)."""
+
+    def submit(self, job: Job) -> None: ...
+
+    def kick(self) -> None: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+
 class Served:
     """The model behind the worker: tokenizer, limits, and the engine that runs requests."""
+
+    engine: Scheduler
 
     def __init__(self, model_dir: str, threads: int | None = None, context_length: int | None = None,
                  draft: str | None = None, prompt_lookup: int | None = None, dtype: str = "auto",
