@@ -30,7 +30,7 @@ import trio
 from starlette.types import ASGIApp, Message
 
 from .. import sockio
-from .http1 import REASONS, SLICE, Limits, Parser, Refused, Request, error_response
+from .http1 import SLICE, Limits, Parser, Refused, Request, error_response, response_head
 from .streams import ByteStream, PlainStream, ServerTls
 
 __all__ = ["Front", "Limits", "connection_cap", "raise_descriptor_limit"]
@@ -204,7 +204,14 @@ class Connection:
     async def run(self) -> None:
         limits = self.front.limits
         try:
-            await self.stream.start(limits.read_timeout)
+            with trio.CancelScope() as handshake:  # a TLS handshake in progress can make room too
+                self.front.waiting[self] = handshake
+                try:
+                    await self.stream.start(limits.read_timeout)
+                finally:
+                    self.front.waiting.pop(self, None)
+            if handshake.cancelled_caught:
+                return
             while not self.front.closing:
                 request = await self.next_request()
                 if request is None:
@@ -335,38 +342,14 @@ class Exchange:
             conn.pending += data
         return {"type": "http.disconnect"}
 
-    def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
-        lines = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))]
-        has_length = False
-        for name, value in headers:
-            if b"\r" in name or b"\n" in name or b"\r" in value or b"\n" in value:
-                raise ValueError(f"header {name!r} holds a line break")
-            lower = name.lower()
-            if lower == b"transfer-encoding" or lower == b"connection":
-                continue  # framing and persistence are this server's to decide
-            has_length = has_length or lower == b"content-length"
-            lines.append(b"%s: %s\r\n" % (name, value))
-        self.no_body = self.no_body or status in (204, 304) or status < 200
-        if not (self.no_body or has_length):
-            # A body of unknown length: chunked for HTTP/1.1, ended by closing for HTTP/1.0.
-            if self.request.version == "1.1":
-                self.chunked = True
-                lines.append(b"transfer-encoding: chunked\r\n")
-            else:
-                self.keep_alive = False
-        if not self.keep_alive:
-            lines.append(b"connection: close\r\n")
-        elif self.request.version == "1.0":
-            lines.append(b"connection: keep-alive\r\n")
-        lines.append(b"\r\n")
-        return b"".join(lines)
-
     async def send(self, message: Message) -> None:
         if self.gone:
             raise ClientGone()
         kind = message["type"]
         if kind == "http.response.start" and self.head is None:
-            self.head = self._head(message["status"], message.get("headers", []))
+            framing = response_head(message["status"], message.get("headers", []), self.request.version,
+                                    keep_alive=self.keep_alive, no_body=self.no_body)
+            self.head, self.chunked, self.keep_alive, self.no_body = framing
             return
         if kind != "http.response.body" or self.head is None or self.finished:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")

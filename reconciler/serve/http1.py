@@ -57,6 +57,36 @@ def error_response(status: int, message: str, code: str, extra: bytes = b"") -> 
             % (status, REASONS.get(status, b""), len(body), extra, body))
 
 
+def response_head(status: int, headers: list[tuple[bytes, bytes]], version: str, *, keep_alive: bool,
+                  no_body: bool) -> tuple[bytes, bool, bool, bool]:
+    """The head for an app's status and headers: (head, chunked, keep_alive, no_body). Framing and
+    persistence are this server's to decide, so the app's Transfer-Encoding and Connection go."""
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))]
+    has_length = chunked = False
+    for name, value in headers:
+        if b"\r" in name or b"\n" in name or b"\r" in value or b"\n" in value:
+            raise ValueError(f"header {name!r} holds a line break")
+        lower = name.lower()
+        if lower == b"transfer-encoding" or lower == b"connection":
+            continue
+        has_length = has_length or lower == b"content-length"
+        lines.append(b"%s: %s\r\n" % (name, value))
+    no_body = no_body or status in (204, 304) or status < 200
+    if not (no_body or has_length):
+        # A body of unknown length: chunked for HTTP/1.1, ended by closing for HTTP/1.0.
+        if version == "1.1":
+            chunked = True
+            lines.append(b"transfer-encoding: chunked\r\n")
+        else:
+            keep_alive = False
+    if not keep_alive:
+        lines.append(b"connection: close\r\n")
+    elif version == "1.0":
+        lines.append(b"connection: keep-alive\r\n")
+    lines.append(b"\r\n")
+    return b"".join(lines), chunked, keep_alive, no_body
+
+
 @dataclass(slots=True)
 class Request:
     method: bytes = b""
