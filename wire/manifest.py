@@ -19,6 +19,10 @@ MANIFEST_VERSION = 1
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 _LAYER_OF = re.compile(r"(?:^|\.)(?:layers|h|blocks|blk)\.(\d+)\.")
+# The files a tokenizer is loaded from (transformers' names, sentencepiece's, a chat template kept
+# beside them): only a pipeline's first stage tokenises, so only the first slice holds them.
+_TOKENIZER_FILE = re.compile(r"^(?:tokenizer[^/]*|special_tokens_map\.json|added_tokens\.json|vocab\.[^/]+|"
+                             r"merges\.txt|chat_template\.(?:jinja|json)|spiece\.model|sentencepiece[^/]*)$")
 MAX_HEADER = 100 * 1024 * 1024
 SLICE_FILE = "model.safetensors"
 
@@ -91,6 +95,10 @@ def layer_of(tensor_name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def is_tokenizer_file(path: str) -> bool:
+    return bool(_TOKENIZER_FILE.match(path.rsplit("/", 1)[-1]))
+
+
 def slice_header(tensors: list[dict[str, Any]]) -> bytes:
     """The safetensors header of a slice file: tensors in name order, packed, padded to 8 bytes."""
     entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -105,9 +113,11 @@ def slice_header(tensors: list[dict[str, Any]]) -> bytes:
 
 
 def make_slice(full: dict[str, Any], full_digest: str, layers: LayerRange) -> dict[str, Any]:
-    """The manifest of layers FIRST-LAST of a safetensors model: every auxiliary file (config,
-    tokenizer), the tensors of those layers, the embeddings if it is the first slice, the final norm
-    and output head if it is the last, assembled into one safetensors file."""
+    """The manifest of layers FIRST-LAST of a safetensors model: the auxiliary files (config in every
+    slice, the tokenizer in the first only: a pipeline tokenises on its first stage), the tensors of
+    those layers, the embeddings if it is the first slice, the final norm and output head if it is
+    the last (the embeddings too when they are the head: a model without lm_head ties them),
+    assembled into one safetensors file."""
     if full.get("format") != "safetensors":
         raise ManifestError("only safetensors models can be sliced by layers")
     if full.get("slice"):
@@ -118,16 +128,20 @@ def make_slice(full: dict[str, Any], full_digest: str, layers: LayerRange) -> di
                             "num_hidden_layers)")
     if layers.last >= total:
         raise ManifestError(f"layers {layers} are outside the model, which has {total} (0-{total - 1})")
+    first, last = layers.first == 0, layers.last == total - 1
+    tensors_of = [t for f in full["files"] for t in f.get("tensors", ())]
+    tied = not any(t["name"].startswith("lm_head.") for t in tensors_of if layer_of(t["name"]) is None)
     aux, picked = [], []
     for f in full["files"]:
         if "tensors" not in f:
-            if not f["path"].endswith(".safetensors.index.json"):  # the slice is one file: no shard index
+            # The slice is one file (no shard index); the tokenizer goes with the first slice only.
+            if not f["path"].endswith(".safetensors.index.json") and (first or not is_tokenizer_file(f["path"])):
                 aux.append({k: f[k] for k in ("path", "size", "sha256")})
             continue
         for t in f["tensors"]:
             n = layer_of(t["name"])
             keep = (n in layers) if n is not None else (
-                layers.first == 0 if "embed" in t["name"] else layers.last == total - 1)
+                (first or (last and tied)) if "embed" in t["name"] else last)
             if keep:
                 picked.append({**t, "source": {"sha256": f["sha256"], "begin": t["begin"], "end": t["end"]}})
     picked.sort(key=lambda t: t["name"])

@@ -113,7 +113,8 @@ def test_slice_of_layers_2_3(trio_agents: list[Agent], models: tuple[Path, Path]
     progress = c.get(f"/v1/weights/{slice_digest}").json()
     assert progress["bytes"] < full_bytes
     assert 0 < result["fetch"]["bytes_fetched"] < full_bytes  # only the slice's bytes crossed the wire
-    assert (c.home / "store" / "models" / slice_digest[7:] / "tokenizer.json").exists()
+    held = c.home / "store" / "models" / slice_digest[7:]
+    assert (held / "config.json").exists() and not (held / "tokenizer.json").exists()  # the first slice tokenises
 
 
 def test_a_wrong_slice_digest_is_refused(trio_agents: list[Agent], models: tuple[Path, Path]) -> None:

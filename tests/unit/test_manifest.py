@@ -47,9 +47,23 @@ def test_slices_take_their_layers_and_the_right_aux(imported: tuple[Store, str, 
     assert ("model.embed_tokens.weight" in names) is has_embed
     assert ("lm_head.weight" in names) is has_head and ("model.norm.weight" in names) is has_head
     assert {mf.layer_of(n) for n in names} - {None} == blocks
-    assert {f["path"] for f in s["files"]} >= {"config.json", "tokenizer.json", "model.safetensors"}
+    paths = {f["path"] for f in s["files"]}
+    assert paths >= {"config.json", "generation_config.json", "model.safetensors"}
+    tokenizer = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+    assert paths & tokenizer == (tokenizer if has_embed else set())  # only the first stage tokenises
     assert s["slice"]["layers"] == LayerRange.parse(layers).span  # "2" is recorded as "2-2": one spelling
     assert mf.digest_of(s) == mf.digest_of(mf.make_slice(manifest, digest, LayerRange.parse(layers)))
+
+
+def test_the_last_slice_of_a_tied_model_keeps_the_embeddings_as_its_head(imported: tuple[Store, str, dict]) -> None:
+    _, digest, manifest = imported
+    tied = {**manifest, "files": [{**f, "tensors": [t for t in f["tensors"] if t["name"] != "lm_head.weight"]}
+                                  if "tensors" in f else f for f in manifest["files"]]}
+    names = {layers: {t["name"] for f in mf.make_slice(tied, digest, LayerRange.parse(layers))["files"]
+                      if f.get("assembled") for t in f["tensors"]} for layers in ("0-1", "2-3", "2")}
+    assert "model.embed_tokens.weight" in names["0-1"] and "model.embed_tokens.weight" in names["2-3"]
+    assert "model.norm.weight" in names["2-3"] and not any("lm_head" in n for n in names["2-3"])
+    assert "model.embed_tokens.weight" not in names["2"]
 
 
 def test_slice_bytes_assembled_by_hand_load_as_safetensors(imported: tuple[Store, str, dict]) -> None:
