@@ -3,7 +3,6 @@ two arguments, which is what makes plans testable from files and checkable in CI
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Mapping
@@ -18,9 +17,10 @@ from wire.windows import Window, status
 from .diagnostics import Diagnostic, error, warning
 from .model import ClusterSpec, Desired, ModelSpec
 from .observed import Observed, ObservedNode
+from .pipeline_plan import StageInput, group_of, plan_group
+from .plan_order import order, select
 from .plan import Action, Change, Plan
 
-RANK = {Action.REPLICATE: 0, Action.STOP: 1, Action.REPLACE: 2, Action.START: 3, Action.DELETE: 4}
 VRAM_HEADROOM = 1.2  # weights plus a fifth for the KV cache and activations: an estimate, said as such
 
 
@@ -43,10 +43,10 @@ def plan(desired: Desired, observed: Observed, *, targets: tuple[str, ...] = (),
          config_digest: str = "", config_file: str = "") -> Plan:
     p = _Planner(desired, observed)
     p.run()
-    changes = _order(p.changes)
+    changes = order(p.changes)
     diags = list(p.diags)
     if targets:
-        changes = _select(changes, targets)
+        changes = select(changes, targets)
         diags.append(warning("targeted_plan", f"the plan is limited to {', '.join(targets)}",
                              "Other changes the fleet needs are left out: use -target only for "
                              "exceptional situations, then run a full plan."))
@@ -223,6 +223,9 @@ class _Planner:
         replicating = {ch.address for ch in self.changes if ch.action is Action.REPLICATE}
         for c in self.d.clusters.values():
             model = self.d.models[c.model]
+            if c.pipeline is not None:
+                desired_ids |= self.pipeline(c, model, wants, replicating)
+                continue
             previous: str | None = None
             for node in c.members:
                 sid, address = server_id(c.name, node), server_address(c.name, node)
@@ -276,13 +279,45 @@ class _Planner:
                     previous = address
         return desired_ids
 
+    def pipeline(self, c: ClusterSpec, model: ModelSpec, wants: dict[str, dict[str, Want]],
+                 replicating: set[str]) -> set[tuple[str, str]]:
+        """Every stage of pipeline `c` as one group: planned only when every stage can be."""
+        ids = {(node, server_id(c.name, node)) for node in c.members}
+        stages: list[StageInput] = []
+        for node in c.members:
+            obs = self.ok.get(node)
+            want = next((w for w in wants[node].values() if w.model is model and w.layers is not None), None)
+            if model.encrypted and node != self.cp:
+                self.diags.append(error("encrypted_remote_unsupported", f"encrypted model {model.name!r} cannot "
+                                        f"be served on {node!r}, only on {self.cp!r}",
+                                        address=server_address(c.name, node)))
+            if obs is None or want is None or want.layers is None or (model.encrypted and node != self.cp):
+                continue  # the node's or the slice's own diagnostic says why
+            settings = self.resolve_settings(c, node, obs)
+            self.check_vram(c, node, obs, model, settings, want.bytes)
+            address = replica_address(want.address_model, node)
+            stages.append(StageInput(node, self.d.nodes[node].address, want.layers, want.digest, settings,
+                                     (address,) if address in replicating else (), obs.servers.get(
+                                         server_id(c.name, node))))
+        if len(stages) < len(c.members):
+            return ids
+        total = (self.o.manifests.get(model.digest) or {}).get("layers")
+        if isinstance(total, int) and stages[-1].layers.last != total - 1:
+            self.diags.append(error("pipeline_layers_gap", f"the stages of pipeline {c.name!r} end at layer "
+                                    f"{stages[-1].layers.last}, but {model.name!r} has {total} layers "
+                                    f"(0-{total - 1})", "The last stage's slice must end at the model's last layer.",
+                                    address=server_address(c.name, stages[-1].node)))
+            return ids
+        self.changes += plan_group(c, model, stages, settings_diff)
+        return ids
+
     def check_vram(self, c: ClusterSpec, node: str, obs: ObservedNode, model: ModelSpec,
-                   settings: ServerSettings) -> None:
+                   settings: ServerSettings, weights_bytes: int | None = None) -> None:
         if not obs.gpus:
             return
         n = int(settings.get("tensor_parallel") or len(obs.gpus))
         free = sum(sorted((g[1] for g in obs.gpus), reverse=True)[:n])
-        need = int(self.model_bytes(model) * VRAM_HEADROOM)
+        need = int((self.model_bytes(model) if weights_bytes is None else weights_bytes) * VRAM_HEADROOM)
         if need > free:
             self.diags.append(error("insufficient_vram", f"{model.name!r} needs about {need / 2**30:.1f} GiB of "
                                     f"VRAM on {node!r} (weights + {int((VRAM_HEADROOM - 1) * 100)}% estimated for "
@@ -292,8 +327,13 @@ class _Planner:
     # ---- drift ----
 
     def drift(self, wants: dict[str, dict[str, Want]], desired_ids: set[tuple[str, str]]) -> None:
+        replacing = [ch for ch in self.changes if ch.action is Action.REPLACE]
         for node, obs in self.ok.items():
+            # Weights are deleted after the servers using them stop, or are replaced by ones that do not.
             stopping: dict[str, list[str]] = {}
+            for ch in replacing:
+                if ch.node == node:
+                    stopping.setdefault(ch.details["before"]["model"], []).append(ch.address)
             for sid, srv in obs.servers.items():
                 if (node, sid) in desired_ids:
                     continue
@@ -312,12 +352,16 @@ class _Planner:
                 self.changes.append(Change(Action.DELETE, replica_address(name, node), node,
                                            f"{node} holds {name} ({held.bytes:,} bytes) that no replica asks for",
                                            tuple(stopping.get(digest, ())), DeleteDetails(digest=digest), drift=True))
-        # A start waits for the stops on its node: they may free its port.
+        # A start waits for the stops on its node: they may free its port. A pipeline's stages also
+        # wait for the stops of their cluster's former stages: the old group is gone before the new forms.
         stops: dict[str, list[str]] = {}
         for ch in self.changes:
             if ch.action is Action.STOP:
                 stops.setdefault(ch.node, []).append(ch.address)
-        self.changes = [Change(ch.action, ch.address, ch.node, ch.reason, ch.depends_on + tuple(stops.get(ch.node, ())),
+                stops.setdefault("cluster:" + split_server_id(ch.details["server_id"])[0], []).append(ch.address)
+        self.changes = [Change(ch.action, ch.address, ch.node, ch.reason, ch.depends_on + tuple(dict.fromkeys(
+                            stops.get(ch.node, []) + (stops.get("cluster:" + ch.details["cluster"], [])
+                                                      if group_of(ch) else []))),
                                ch.details, ch.drift) if ch.action in (Action.START, Action.REPLACE) else ch
                         for ch in self.changes]
 
@@ -344,42 +388,3 @@ class _Planner:
         desired_ids = self.servers(wants)
         self.drift(wants, desired_ids)
         self.windows()
-
-
-def _order(changes: list[Change]) -> list[Change]:
-    """Dependency order, then action rank, then address: deterministic output."""
-    by_address = {c.address: c for c in changes}
-    deps = {c.address: [d for d in c.depends_on if d in by_address] for c in changes}
-    waiting = {a: len(ds) for a, ds in deps.items()}
-    users: dict[str, list[str]] = {}
-    for a, ds in deps.items():
-        for d in ds:
-            users.setdefault(d, []).append(a)
-    ready = [(RANK[c.action], c.address) for c in changes if waiting[c.address] == 0]
-    heapq.heapify(ready)
-    out = []
-    while ready:
-        _, address = heapq.heappop(ready)
-        c = by_address[address]
-        out.append(Change(c.action, c.address, c.node, c.reason, tuple(sorted(set(deps[address]))), c.details,
-                          c.drift))
-        for u in users.get(address, []):
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                heapq.heappush(ready, (RANK[by_address[u].action], u))
-    if len(out) != len(changes):  # a cycle would be a planner bug: fail loudly, never drop work
-        raise RuntimeError("dependency cycle among " + ", ".join(sorted(a for a, n in waiting.items() if n)))
-    return out
-
-
-def _select(changes: list[Change], targets: tuple[str, ...]) -> list[Change]:
-    by_address = {c.address: c for c in changes}
-    keep: set[str] = set()
-    stack = [c.address for c in changes if any(c.address == t or c.address.startswith(t + "@")
-                                                or c.address.startswith(t + ".") for t in targets)]
-    while stack:
-        a = stack.pop()
-        if a not in keep:
-            keep.add(a)
-            stack.extend(d for d in by_address[a].depends_on if d in by_address)
-    return [c for c in changes if c.address in keep]

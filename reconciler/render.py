@@ -3,7 +3,7 @@ source line, caret) or JSON for machines."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from rich.console import Console
 from rich.markup import escape
@@ -72,13 +72,32 @@ _SYMBOL = {"replicate": ("+", "green"), "start": ("+", "green"), "replace": ("~"
            "stop": ("-", "red"), "delete": ("-", "red")}
 
 
+def pipeline_line(details: Mapping[str, Any]) -> str | None:
+    """A pipeline stage's group in one line (None for any other change): "pipeline big: 2 stages
+    (a 0-14, b 15-29), rendezvous 10.0.0.2:9103, group 1f0c…"."""
+    p = details.get("pipeline")
+    if not isinstance(p, dict):
+        return None
+    host = p["rendezvous"]["address"]
+    host = f"[{host}]" if ":" in host else host
+    stages = ", ".join(f"{s['node']} {s['layers']}" for s in p["stages"])
+    return (f"pipeline {details['cluster']}: {p['world_size']} stages ({stages}), rendezvous "
+            f"{host}:{p['rendezvous']['port']}, group {p['group']}")
+
+
 def print_plan(out: Console, plan: Any) -> None:
-    """A plan for people: one block per action with its reason, then the summary line."""
+    """A plan for people: one block per action with its reason, then the summary line; a pipeline's
+    group is named above its first stage (its stages start together)."""
     if not plan.changes:
         out.print("[green]No changes.[/] The fleet matches the configuration.")
     else:
         out.print("fleet will perform these actions, in this order:\n")
+        groups: set[str] = set()
         for c in plan.changes:
+            group = pipeline_line(c.details)
+            if group is not None and group not in groups:
+                groups.add(group)
+                out.print(f"  [cyan]{escape(group)}[/] [dim](its stages start together)[/]")
             sym, colour = _SYMBOL[c.action.value]
             after = f"  [dim](after {escape(', '.join(c.depends_on))})[/]" if c.depends_on else ""
             drift = "  [magenta]\\[drift][/]" if c.drift else ""
