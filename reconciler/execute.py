@@ -1,7 +1,8 @@
 """Run a plan: in dependency order, bounded parallelism; a failure skips what depends on it and
-lets the rest finish. An agent error tagged retryable is retried a bounded number of times with
-backoff, and each result says how many retries it took. Progress goes to an injected hook; time
-to an injected clock and sleep."""
+lets the rest finish. The stages of a pipeline group are one unit (one slot): stopped, started
+together and waited for as a whole, failing together. An agent error tagged retryable is retried
+a bounded number of times with backoff, and each result says how many retries it took. Progress
+goes to an injected hook; time to an injected clock and sleep."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import trio
 
 from .agent_errors import AgentError, AgentHTTPError
 from .model import Desired, NodeSpec
+from .pipeline_plan import group_of
 from .plan import Action, Change, Plan
 
 POLL_S = 0.25
@@ -85,35 +87,79 @@ class Executor:
     async def run(self, plan: Plan) -> list[Result]:
         done: dict[str, trio.Event] = {c.address: trio.Event() for c in plan.changes}
         results: dict[str, Result] = {}
+        units: dict[str, list[Change]] = {}  # a pipeline group's stages, or one change alone
+        for c in plan.changes:
+            group = group_of(c) if c.action in (Action.START, Action.REPLACE) else None
+            units.setdefault(f"group {group}" if group else c.address, []).append(c)
 
-        async def one(change: Change) -> None:
-            for dep in change.depends_on:
+        async def one(unit: list[Change]) -> None:
+            inside = {c.address for c in unit}
+            deps = list(dict.fromkeys(d for c in unit for d in c.depends_on if d not in inside))
+            for dep in deps:
                 if dep in done:
                     await done[dep].wait()
-            failed = [d for d in change.depends_on if d in results and results[d].status != "done"]
+            failed = [d for d in deps if d in results and results[d].status != "done"]
             if failed:
-                results[change.address] = Result(change.address, change.action.value, "skipped",
-                                                 f"skipped: depends on {', '.join(failed)}, which did not complete", 0.0)
+                for c in unit:
+                    results[c.address] = Result(c.address, c.action.value, "skipped", f"skipped: depends on "
+                                                f"{', '.join(failed)}, which did not complete", 0.0)
             else:
-                async with self.limiter:
+                async with self.limiter:  # a group takes one slot: its stages cannot form one at a time
                     start = self.clock()
-                    self.progress("started", {"change": change})
-                    tally = _Tally(change)
-                    code: str | None = None
-                    try:
-                        message = await self.apply(change, tally)
-                        status = "done"
-                    except (ActionFailed, AgentError) as exc:
-                        message, status, code = str(exc), "failed", exc.code
-                    results[change.address] = Result(change.address, change.action.value, status, message,
-                                                     self.clock() - start, tally.retries, code)
-            self.progress("finished", {"change": change, "result": results[change.address]})
-            done[change.address].set()
+                    for c in unit:
+                        self.progress("started", {"change": c})
+                    tallies = [_Tally(c) for c in unit]
+                    for tally, (message, code) in zip(tallies, await self.apply_unit(tallies)):
+                        c = tally.change
+                        results[c.address] = Result(c.address, c.action.value, "failed" if code else "done",
+                                                    message, self.clock() - start, tally.retries, code)
+            for c in unit:
+                self.progress("finished", {"change": c, "result": results[c.address]})
+                done[c.address].set()
 
         async with trio.open_nursery() as nursery:
-            for change in plan.changes:
-                nursery.start_soon(one, change)
+            for unit in units.values():
+                nursery.start_soon(one, unit)
         return [results[c.address] for c in plan.changes]
+
+    async def apply_unit(self, tallies: list[_Tally]) -> list[tuple[str, str | None]]:
+        """(message, failure code or None) for each change of a unit. A group's stages: every
+        replaced one stopped first, then all started at once and waited for together; the first to
+        fail stops the waiting and fails every stage with its reason."""
+        if len(tallies) == 1 and group_of(tallies[0].change) is None:
+            try:
+                return [(await self.apply(tallies[0].change, tallies[0]), None)]
+            except (ActionFailed, AgentError) as exc:
+                return [(str(exc), exc.code)]
+        messages: dict[str, str] = {}
+        failure: list[tuple[Change, ActionFailed | AgentError]] = []
+
+        async def step(tally: _Tally, stage: Callable[[Change, _Tally], Awaitable[str]],
+                       cancel: trio.CancelScope) -> None:
+            try:
+                messages[tally.change.address] = await stage(tally.change, tally)
+            except (ActionFailed, AgentError) as exc:
+                failure.append((tally.change, exc))
+                cancel.cancel()
+
+        for stage, which in ((self.stop_stage, [t for t in tallies if t.change.action is Action.REPLACE]),
+                             (self.start, tallies)):
+            async with trio.open_nursery() as nursery:
+                for tally in which:
+                    nursery.start_soon(step, tally, stage, nursery.cancel_scope)
+            if failure:
+                break
+        if not failure:
+            return [(messages[t.change.address] + _stage_of(t.change), None) for t in tallies]
+        culprit, err = failure[0]
+        p = culprit.details["pipeline"]
+        return [(str(err) if t.change is culprit else f"pipeline {culprit.details['cluster']} (group {p['group']}) "
+                 f"failed: stage {p['rank']} on {culprit.node}: {err}", err.code) for t in tallies]
+
+    async def stop_stage(self, c: Change, tally: _Tally) -> str:
+        sid = c.details["server_id"]
+        await self.call(tally, lambda: self.client.stop_server(self.d.nodes[c.node], sid))
+        return f"stopped {sid} on {c.node}"
 
     async def call(self, tally: _Tally, ask: Callable[[], Awaitable[T]]) -> T:
         """`ask()`, asked again after a retryable AgentError, up to `retries` times in a row with
@@ -210,6 +256,8 @@ class Executor:
                                                "plan again")
         body = {"id": d["server_id"], "model": d["digest"], "port": d["port"], "host": d["host"],
                 "settings": d["settings"]}
+        if "pipeline" in d:  # a stage: the agent hands its place in the group to the stage worker
+            body["pipeline"] = d["pipeline"]
         retried = tally.retries
         try:
             await self.call(tally, lambda: self.client.start_server(node, body))
@@ -231,6 +279,11 @@ class Executor:
                                                    f"{s['state'] if s else '?'} past its startup timeout"))
         assert s is not None  # judged running
         return f"{d['server_id']} running on {c.node}:{d['port']} (pid {s['pid']})"
+
+
+def _stage_of(c: Change) -> str:
+    p = c.details["pipeline"]
+    return f", stage {p['rank']} of {p['world_size']} of group {p['group']}"
 
 
 class _Resumable(ActionFailed):

@@ -32,6 +32,11 @@ class FakeClient:
         self.fetch_end: dict[str, Any] = {"state": "present", "bytes": 100}
         self.server_states = ["starting", "starting", "running"]
         self.servers: set[str] = set()
+        # Pipeline stages: running only once every stage of the group was started (the group formed);
+        # a stage in `dies` fails with that reason once the group formed.
+        self.group: set[str] = set()
+        self.dies: dict[str, str] = {}
+        self.bodies: dict[str, dict[str, Any]] = {}
 
     def _maybe_fail(self, call: str) -> None:
         self.log.append(call)
@@ -64,11 +69,18 @@ class FakeClient:
 
     async def start_server(self, node: NodeSpec, body: dict[str, Any]) -> dict[str, Any]:
         self.servers.add(body["id"])  # lands even when the answer is then lost
+        self.bodies[body["id"]] = body
         self._maybe_fail("start")
+        self.log.append(f"start {body['id']}")
         return {"state": "starting"}
 
     async def server(self, node: NodeSpec, sid: str) -> dict[str, Any] | None:
         self._maybe_fail("server")
+        if sid in self.group:
+            formed = self.group <= self.servers
+            if formed and sid in self.dies:
+                return {"id": sid, "state": "failed", "pid": 7, "reason": self.dies[sid]}
+            return {"id": sid, "state": "running" if formed else "starting", "pid": 7, "reason": None}
         state = self.server_states.pop(0) if len(self.server_states) > 1 else self.server_states[0]
         return {"id": sid, "state": state, "pid": 42, "reason": "exited with code 1"}
 
@@ -218,3 +230,86 @@ def test_a_server_that_fails_to_start_says_why() -> None:
     client.server_states = ["starting", "failed"]
     result = one(START, client)
     assert result.code == "server_failed" and "exited with code 1" in result.message
+
+
+def stage(rank: int, action: Action = Action.START, deps: tuple[str, ...] = (), world: int = 3) -> Change:
+    stages = [{"node": f"n{i + 1}", "address": f"10.0.0.{i + 1}", "layers": f"{10 * i}-{10 * i + 9}"}
+              for i in range(world)]
+    details: dict[str, Any] = {
+        "cluster": "big", "server_id": f"big@n{rank + 1}", "digest": DIGEST, "model": "m", "port": 9003,
+        "host": f"10.0.0.{rank + 1}", "settings": {"startup_timeout_s": 60},
+        "pipeline": {"group": "0123456789abcdef", "rank": rank, "world_size": world,
+                     "rendezvous": {"address": "10.0.0.1", "port": 9103}, "stages": stages}}
+    if action is Action.REPLACE:
+        details["before"] = {"model": DIGEST, "port": 9003, "settings": {}}
+    return Change(action, f"server.big@n{rank + 1}", f"n{rank + 1}", "stage", deps, details)
+
+
+def group_client(world: int = 3) -> FakeClient:
+    client = FakeClient()
+    client.fetch_progress = []  # every stage's slice is there
+    client.group = {f"big@n{i + 1}" for i in range(world)}
+    return client
+
+
+def test_a_group_takes_one_slot_and_forms_under_parallelism_1() -> None:
+    """Started one at a time, no stage would ever run: they need each other. A group is one unit."""
+    client = group_client()
+    changes = (stage(0), stage(1), stage(2), stop(7))
+    results = run(Plan(changes, ()), client, parallelism=1)
+    assert [r.status for r in results] == ["done"] * 4, [r.message for r in results]
+    assert results[1].message == "big@n2 running on n2:9003 (pid 7), stage 1 of 3 of group 0123456789abcdef"
+    # The agent is handed each stage's place in its group.
+    assert client.bodies["big@n3"]["pipeline"]["rank"] == 2
+    assert client.bodies["big@n3"]["pipeline"]["rendezvous"] == {"address": "10.0.0.1", "port": 9103}
+    assert client.bodies["big@n1"]["model"] == DIGEST
+
+
+def test_one_stage_failing_fails_the_group_with_its_reason() -> None:
+    client = group_client()
+    client.dies["big@n2"] = "pipeline stage 1 (node n2, 10.0.0.2:9003, layers 10-19) could not load: out of memory"
+    results = {r.address: r for r in run(Plan((stage(0), stage(1), stage(2)), ()), client)}
+    assert {r.status for r in results.values()} == {"failed"}
+    assert {r.code for r in results.values()} == {"server_failed"}
+    assert results["server.big@n2"].message == ("server big@n2 on n2 failed: pipeline stage 1 (node n2, "
+                                                "10.0.0.2:9003, layers 10-19) could not load: out of memory")
+    other = results["server.big@n1"].message
+    assert other.startswith("pipeline big (group 0123456789abcdef) failed: stage 1 on n2: server big@n2 on n2 failed:")
+    assert other.endswith("could not load: out of memory")
+    assert "[server_failed]" in result_line(results["server.big@n3"])
+
+
+def test_a_replaced_group_is_stopped_everywhere_before_any_stage_starts() -> None:
+    client = group_client(2)
+    results = run(Plan((stage(0, Action.REPLACE, world=2), stage(1, Action.REPLACE, world=2)), ()), client)
+    assert [r.status for r in results] == ["done", "done"]
+    order = [e for e in client.log if e.startswith(("stopped", "start "))]
+    assert sorted(order[:2]) == ["stopped big@n1", "stopped big@n2"]
+    assert sorted(order[2:]) == ["start big@n1", "start big@n2"]
+
+
+def test_a_stage_that_cannot_stop_fails_the_group_before_anything_starts() -> None:
+    client = group_client(2)
+    client.fail = {"big@n2"}
+    results = run(Plan((stage(0, Action.REPLACE, world=2), stage(1, Action.REPLACE, world=2)), ()), client)
+    assert [r.code for r in results] == ["stop_refused", "stop_refused"]
+    assert "stage 1 on n2: big@n2 refused to stop" in results[0].message
+    assert not any(e.startswith("start ") for e in client.log)
+
+
+def test_a_group_whose_stage_waits_on_a_failure_is_skipped_whole() -> None:
+    client = group_client(2)
+    client.fail = {"s5"}
+    changes = (stop(5), stage(0, world=2), stage(1, deps=("server.s5@n5",), world=2))
+    results = {r.address: r for r in run(Plan(changes, ()), client)}
+    assert results["server.big@n1"].status == results["server.big@n2"].status == "skipped"
+    assert "server.s5@n5" in results["server.big@n1"].message
+    assert not any(e.startswith("start ") for e in client.log)
+
+
+def test_a_group_that_never_forms_times_out_as_a_whole() -> None:
+    client = group_client(3)
+    client.group.add("big@n9")  # a stage that is never started: the group cannot form
+    results = run(Plan((stage(0), stage(1), stage(2)), ()), client)
+    assert {r.code for r in results} == {"startup_timeout"}
+    assert all(90 <= r.seconds <= 91 for r in results)
