@@ -72,6 +72,9 @@ class Outbox:
         except RuntimeError:  # the reader's loop is gone (shutting down): nobody to tell
             pass
 
+    def kick(self) -> None:
+        self._kick()
+
     def _wake(self) -> None:
         if self._ready is not None:
             self._ready.set()
@@ -109,6 +112,7 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled = True
+        self.outbox.kick()  # the engine may be idle, holding this row aside for its reader
 
     def end(self, reason: str, last: list[int] | None = None, error: str | None = None) -> None:
         self.ended = True
