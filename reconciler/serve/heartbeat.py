@@ -92,7 +92,8 @@ class Heartbeat:
                     server = self.view.nodes[node].servers.get(sid)
                     if server is None:
                         row.update(state="missing", reason=f"{node} reports no server {sid} (not applied yet?)")
-                    elif server.model != digest:
+                    elif server.model != digest and not (c.pipeline is not None and _slice_of(
+                            self.view.nodes[node], server.model) == digest):
                         row.update(state="drifted", reason=f"{node} runs {sid} with another model")
                     else:
                         row.update(state=server.state, reason=server.reason)
@@ -104,3 +105,9 @@ class Heartbeat:
         while True:
             await trio.sleep(self.interval)
             await self.beat()
+
+
+def _slice_of(node: ObservedNode, digest: str) -> str | None:
+    """The model a pipeline stage's weights are a slice of (its server reports the slice's digest)."""
+    held = node.weights.get(digest)
+    return held.slice_of if held is not None else None

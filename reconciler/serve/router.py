@@ -135,10 +135,18 @@ class Router:
             return False, f"{node}: no server started"
         if server.state != "running":
             reason = server.reason.splitlines()[0] if server.reason else ""
+            if reason:  # the agent's reason may name its store or home: scrubbed like an answer
+                scrub = self.scrubber(c, node)
+                reason = (scrub.feed(reason.encode()) + scrub.flush()).decode(errors="replace")
             return False, f"{node}: server {server.state}" + (f" ({reason})" if reason else "")
         return True, ""
 
     def candidates(self, c: ClusterSpec) -> tuple[list[str], list[str]]:
+        if c.pipeline is not None:
+            # A pipeline answers through its first stage, and only while every stage runs: the
+            # others hold layers a request cannot do without.
+            down = [reason for good, reason in (self.member_state(c, node) for node in c.members) if not good]
+            return ([] if down else [c.members[0]]), down
         ok: list[str] = []
         why: list[str] = []
         for node in c.members:
@@ -147,10 +155,14 @@ class Router:
         ok.sort(key=lambda n: (self.outstanding.get(n, 0), c.members.index(n)))  # least outstanding first
         return ok, why
 
-    def scrubber(self, node: str, replacement: str) -> Scrubber:
-        seen = self.view.nodes.get(node)
-        paths = [w.path for w in seen.weights.values()] + [seen.home] if seen is not None else []
-        return Scrubber([p for p in paths if p and p != "/"], replacement)
+    def scrubber(self, c: ClusterSpec, node: str) -> Scrubber:
+        """Scrubs the paths of `node`, and of every stage of a pipeline: the first stage relays what
+        the others report (their failures name their own store)."""
+        paths: list[str] = []
+        for n in (c.members if c.pipeline is not None else (node,)):
+            seen = self.view.nodes.get(n)
+            paths += [w.path for w in seen.weights.values()] + [seen.home] if seen is not None else []
+        return Scrubber([p for p in paths if p and p != "/"], c.name)
 
     # ---- relaying ----
 
@@ -172,6 +184,10 @@ class Router:
         if cluster is None:
             return api_error(404, "model_not_found", f"no cluster or model named {name!r}; see GET /v1/models")
         members, why = self.candidates(cluster)
+        if not members and cluster.pipeline is not None:
+            message = f"pipeline {cluster.name!r} is not serving: " + "; ".join(why)
+            log.warning("%s", message)
+            return api_error(503, "pipeline_unavailable", message)
         if not members:
             message = f"cluster {cluster.name!r} has no running member: " + "; ".join(why)
             log.warning("%s", message)
@@ -190,7 +206,7 @@ class Router:
                 except upstream.UpstreamError as exc:
                     failure = str(exc)
                 else:
-                    return RelayStream(self, upstream_response, self.scrubber(node, cluster.name), node)
+                    return RelayStream(self, upstream_response, self.scrubber(cluster, node), node)
                 # Nothing reached the client yet: the next member may answer.
                 self.outstanding[node] -= 1
                 failures.append(f"{node}: {failure}")
@@ -206,7 +222,7 @@ class Router:
                 continue
             finally:
                 self.outstanding[node] -= 1
-            scrub = self.scrubber(node, cluster.name)
+            scrub = self.scrubber(cluster, node)
             content = scrub.feed(response.content) + scrub.flush()
             self.metrics.relay_bytes.inc(len(content))
             return Response(content, status_code=response.status_code,
