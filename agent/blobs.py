@@ -1,7 +1,7 @@
 """Serving stored blobs to peers: single-range HTTP with large reads.
 
 Starlette's FileResponse moves 64 KiB per ASGI message and tops out near 130 MB/s here (see
-DESIGN.md); 4 MiB messages cut the per-message cost of h11 and the ASGI hop to noise, which is
+docs/ARCHITECTURE.md); 4 MiB messages cut the per-message cost of h11 and the ASGI hop to noise, which is
 what lets replication run near the disk-and-hash limit on one port."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A minimal HTTP/1.1 GET over plain trio sockets, for bulk bytes between agents.
 
 httpx's streaming body reader moves about 120-130 MB/s on this kind of machine, slower than the
-disk and the hash (see DESIGN.md); reading the socket directly into the hasher and the file is the
+disk and the hash (docs/ARCHITECTURE.md); reading the socket directly into the hasher and the file is the
 fewest steps that still verify and store. Only what our own agents send is supported: one request
 per connection, a Content-Length body, no chunking, no redirects."""
 

@@ -1,4 +1,4 @@
-"""Exit codes, the same for every command (DESIGN.md): part of the interface, never renumbered."""
+"""Exit codes, the same for every command (the README's table): part of the interface, never renumbered."""
 
 from enum import IntEnum
 
