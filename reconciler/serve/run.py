@@ -12,7 +12,8 @@ import trio
 
 from ..client import AgentClient
 from ..model import Desired
-from ..store import Store
+from ..observe import observer
+from ..state_store import ServeRecord
 from .front import Front, raise_descriptor_limit
 from .heartbeat import Heartbeat
 from .metrics import ServeMetrics
@@ -47,15 +48,15 @@ def server_tls(desired: Desired) -> ServerTls | None:
         raise ServeRefused(f"control_plane.tls: cannot load {spec.cert} with {spec.key}: {exc}") from None
 
 
-async def serve(desired: Desired, secret: str, store: Store, *, interval: float, misses: int,
+async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: float, misses: int,
                 timeout: float) -> None:
     keys = api_keys(desired)
     tls = server_tls(desired)
     raise_descriptor_limit()  # the front's connection cap follows it
     async with AgentClient(secret, timeout=timeout) as client:
         metrics = ServeMetrics()
-        heartbeat = Heartbeat(desired, client, store, interval=interval, misses=misses, timeout=timeout,
-                              on_beat=metrics.beat_seconds.observe)
+        heartbeat = Heartbeat(desired, observer(desired, client), store, interval=interval, misses=misses,
+                              timeout=timeout, on_beat=metrics.beat_seconds.observe)
         router = Router(desired, heartbeat.view, api_keys=keys, metrics=metrics)
         host, _, port = desired.control_plane.listen.rpartition(":")
         front = Front(router.app(), tls=tls, on_drop=lambda reason: metrics.connections_dropped.labels(reason).inc())
