@@ -38,6 +38,7 @@ class Job:
     bytes_done: int = 0  # verified or on disk, counting what a resume found
     bytes_fetched: int = 0  # crossed the wire in this job
     error: str | None = None
+    resumable: bool = False  # failed keeping what arrived: asking again resumes (the executor does)
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
 
@@ -48,7 +49,7 @@ class Job:
                 "bytes_total": self.bytes_total, "bytes_done": self.bytes_done,
                 "bytes_fetched": self.bytes_fetched,
                 "rate_bytes_per_s": round(self.bytes_fetched / elapsed) if elapsed > 0 else 0,
-                "error": self.error}
+                "error": self.error, "resumable": self.resumable}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,7 @@ class Fetcher:
             job.state = "present"
         except (FetchError, PeerError, mf.ManifestError) as exc:
             job.state, job.error = "failed", str(exc)
+            job.resumable = isinstance(exc, PeerError) and exc.resumable
         except Exception as exc:  # a bug: keep it visible in the job, never kill the agent
             job.state, job.error = "failed", f"internal error: {type(exc).__name__}: {exc}"
         finally:

@@ -86,7 +86,7 @@ def test_corrupt_peer_is_named_and_bad_bytes_are_not_kept(trio_agents: list[Agen
     blob.write_bytes(bytes(data))
     put(b, digest, a)
     result = wait(b, digest)
-    assert result["state"] == "failed"
+    assert result["state"] == "failed" and result["resumable"] is False  # asking again would fetch the same bytes
     assert "digest mismatch" in result["error"] and a.url in result["error"] and "corrupt.gguf" in result["error"]
     assert not (b.home / "store" / "blobs" / sha).exists()
     assert list((b.home / "store" / "partial").glob(f"{sha}*")) == []
@@ -232,6 +232,7 @@ def test_resume_after_the_peer_dies_mid_transfer(tmp_path: Path) -> None:
         src.stop(signal.SIGKILL)
         failed = wait(dst, digest)
         assert failed["state"] == "failed" and src.url in failed["error"]
+        assert failed["resumable"] is True  # what arrived is kept: the executor asks again to resume
         assert dst.proc is not None and dst.proc.poll() is None  # the fetching agent is unharmed
         src.start()
         put(dst, digest, src)
