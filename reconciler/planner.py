@@ -286,7 +286,7 @@ class _Planner:
         stages: list[StageInput] = []
         for node in c.members:
             obs = self.ok.get(node)
-            want = next((w for w in wants[node].values() if w.model is model and w.layers is not None), None)
+            want = next((w for w in wants[node].values() if w.model.name == model.name and w.layers is not None), None)
             if model.encrypted and node != self.cp:
                 self.diags.append(error("encrypted_remote_unsupported", f"encrypted model {model.name!r} cannot "
                                         f"be served on {node!r}, only on {self.cp!r}",
