@@ -1,4 +1,5 @@
-"""The llama.cpp launch spec: GGUF models served by llama-cpp-python's OpenAI-compatible server."""
+"""The llama.cpp launch spec: GGUF models served by llama-cpp-python's OpenAI-compatible server, with
+fleet's OpenAI edges around it (agent/backends/llama_cpp_worker.py; same options as the server's)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from ..launch import Command, LaunchSpec, ModelPath
 
 
 def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPath) -> Command:
-    argv = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--host", host, "--port", str(port)]
+    argv = [sys.executable, "-m", "agent.backends.llama_cpp_worker", "--model", path, "--host", host, "--port", str(port)]
     if s.get("context_length"):
         argv += ["--n_ctx", str(s["context_length"])]
     if s.get("threads"):
