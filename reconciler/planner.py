@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Mapping
 
 from wire import manifest as mf
 from wire.ids import replica_address, server_address, server_id, split_server_id
@@ -15,6 +14,7 @@ from wire.plan_details import (DeleteDetails, ReplaceDetails, ReplicateDetails, 
 from wire.windows import Window, status
 
 from .diagnostics import Diagnostic, error, warning
+from .diffs import settings_diff
 from .model import ClusterSpec, Desired, ModelSpec
 from .observed import Observed, ObservedNode
 from .pipeline_plan import StageInput, group_of, plan_group
@@ -52,22 +52,6 @@ def plan(desired: Desired, observed: Observed, *, targets: tuple[str, ...] = (),
                              "exceptional situations, then run a full plan."))
     fingerprints = {n: o.fingerprint for n, o in observed.nodes.items() if o.ok}
     return Plan(tuple(changes), tuple(diags), config_digest, config_file, fingerprints, targets)
-
-
-def settings_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """Flat, readable differences: ["context_length 4096 → 8192", "threads unset → 8"]."""
-    def flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = v
-        return out
-    a, b = flat(old), flat(new)
-    def show(v: object) -> str:
-        return "unset" if v is None else str(v)
-    return [f"{k} {show(a.get(k))} → {show(b.get(k))}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
 
 
 class _Planner:
