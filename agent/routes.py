@@ -22,7 +22,8 @@ from .workers import Refused
 if TYPE_CHECKING:
     from .app import AgentContext
 
-PEER_URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}/?$")
+# \Z, not $: under re.match `$` also matches before a final newline.
+PEER_URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}/?\Z")
 
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 

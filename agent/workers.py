@@ -20,7 +20,7 @@ from . import backends
 from .launch import BadSettings, Launcher, LaunchSpec, Process
 from .store import WeightStore
 
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}$")
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}\Z")  # \Z: `$` passes a final newline
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0
 TAIL_LINES = 40

@@ -16,7 +16,7 @@ from jsonschema import Draft202012Validator
 from .agent_errors import AgentError, AgentHTTPError, AgentProtocolError, NodeAuthRejected, NodeUnreachable, cause
 from .diagnostics import format_path
 from .model import NodeSpec
-from .schema import load_schema
+from .schema import Validator, load_schema
 from .transport import AgentRequest, SocketTransport, Transport
 
 __all__ = ["AgentClient", "AgentError", "AgentHTTPError", "AgentProtocolError", "NodeAuthRejected",
@@ -25,7 +25,7 @@ __all__ = ["AgentClient", "AgentError", "AgentHTTPError", "AgentProtocolError", 
 
 @cache
 def _state_validator() -> Draft202012Validator:
-    return Draft202012Validator(load_schema("agent-state.schema.json"))
+    return Validator(load_schema("agent-state.schema.json"))  # type: ignore[no-any-return]
 
 
 @cache

@@ -5,13 +5,14 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import re
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import fastjsonschema
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import ValidationError, best_match
 
 from .diagnostics import Diagnostic, error, format_path
@@ -36,8 +37,25 @@ def load_schema(name: str = "fleet.schema.json") -> dict[str, Any]:
 
 
 @cache
+def _python_regex(pattern: str) -> re.Pattern[str]:
+    return re.compile(re.sub(r"(?<!\\)\$", r"\\Z", pattern))
+
+
+def _ecma_pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    r"""`pattern` as JSON Schema means it (ECMA-262: `$` is the end of the string). jsonschema hands
+    it to Python's re, where `$` also matches before a final newline (a digest with a newline
+    after it passed); fastjsonschema reads `$` as \Z, and so does this: both validators agree."""
+    if validator.is_type(instance, "string") and not _python_regex(pattern).search(instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+# The generic validator for every schema of fleet's (fleet.yaml, agent state, plan files).
+Validator = validators.extend(Draft202012Validator, {"pattern": _ecma_pattern})  # type: ignore[no-untyped-call]
+
+
+@cache
 def _validator() -> Draft202012Validator:
-    return Draft202012Validator(load_schema())
+    return Validator(load_schema())  # type: ignore[no-any-return]
 
 
 def _describe(value: Any) -> str:

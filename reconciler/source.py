@@ -35,6 +35,8 @@ for _tag, _regexp, _first in (
      r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
      "-+0123456789."),
     ("tag:yaml.org,2002:null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+    # Clearing the resolvers above dropped this one too: without it `<<: *base` was the key "<<".
+    ("tag:yaml.org,2002:merge", r"^(?:<<)$", ["<"]),
 ):
     _Loader.add_implicit_resolver(_tag, re.compile(_regexp), list(_first))
 
@@ -169,6 +171,8 @@ def _syntax_diagnostic(exc: yaml.MarkedYAMLError, filename: str) -> Diagnostic:
 
 
 _PLAIN_TAGS = frozenset({"tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"})
+_MERGE = "tag:yaml.org,2002:merge"
+Pair = tuple[yaml.Node, yaml.Node]
 
 
 class _TooComplex(Exception):
@@ -231,34 +235,11 @@ class _Builder:
                 range=SourceRange(self.filename, _pos(node.start_mark), _pos(node.end_mark))))
             return None
         if isinstance(node, yaml.MappingNode):
-            self.loader.flatten_mapping(node)  # resolves `<<` merge keys
-            result: dict[str, Any] = {}
-            first_seen: dict[str, Pos] = {}
-            for key_node, value_node in node.value:
-                key_start = _pos(key_node.start_mark)
-                if not isinstance(key_node, yaml.ScalarNode):
-                    self.diagnostics.append(error(
-                        "yaml_syntax", "a mapping key must be a plain name, not a list or mapping",
-                        address=format_path(path),
-                        range=SourceRange(self.filename, key_start, _pos(key_node.end_mark))))
-                    continue
-                key = str(key_node.value)
-                child = path + (key,)
-                if key in first_seen:
-                    first = first_seen[key]
-                    self.diagnostics.append(error(
-                        "duplicate_key", f"duplicate key {key!r} in {format_path(path) or 'the top level'}",
-                        f"{key!r} is first defined at line {first.line}, column {first.column}; "
-                        "YAML parsers silently keep only one of them.",
-                        address=format_path(child),
-                        range=SourceRange(self.filename, key_start, _pos(key_node.end_mark))))
-                    continue
-                first_seen[key] = key_start
-                self.key_marks[child] = (key_start, _pos(key_node.end_mark))
-                result[key] = self.build(value_node, child)
-            return result
+            return self.mapping(node, path)
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
+        if node.tag == _MERGE:  # `<<` written as a value, not as a key: the string it looks like
+            return str(node.value)
         try:
             return self.loader.construct_object(node, deep=True)
         except yaml.MarkedYAMLError as exc:  # an explicit tag such as !!binary or !!python/…
@@ -268,3 +249,64 @@ class _Builder:
                 address=format_path(path),
                 range=SourceRange(self.filename, _pos(node.start_mark), _pos(node.end_mark))))
             return None
+
+    def mapping(self, node: yaml.MappingNode, path: YamlPath) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        first_seen: dict[str, Pos] = {}
+        own = {str(k.value) for k, _ in node.value if isinstance(k, yaml.ScalarNode) and k.tag != _MERGE}
+        for key_node, value_node in node.value:
+            key_start = _pos(key_node.start_mark)
+            if not isinstance(key_node, yaml.ScalarNode):
+                self.diagnostics.append(error(
+                    "yaml_syntax", "a mapping key must be a plain name, not a list or mapping",
+                    address=format_path(path),
+                    range=SourceRange(self.filename, key_start, _pos(key_node.end_mark))))
+                continue
+            if key_node.tag == _MERGE:
+                # The mapping's own keys win over merged ones wherever they are written.
+                for merged_key, merged_value in self.merged(value_node, path):
+                    key = str(merged_key.value)
+                    if key not in own and key not in result:
+                        self.key_marks[path + (key,)] = (_pos(merged_key.start_mark), _pos(merged_key.end_mark))
+                        result[key] = self.build(merged_value, path + (key,))
+                continue
+            key = str(key_node.value)
+            child = path + (key,)
+            if key in first_seen:
+                first = first_seen[key]
+                self.diagnostics.append(error(
+                    "duplicate_key", f"duplicate key {key!r} in {format_path(path) or 'the top level'}",
+                    f"{key!r} is first defined at line {first.line}, column {first.column}; "
+                    "YAML parsers silently keep only one of them.",
+                    address=format_path(child),
+                    range=SourceRange(self.filename, key_start, _pos(key_node.end_mark))))
+                continue
+            first_seen[key] = key_start
+            self.key_marks[child] = (key_start, _pos(key_node.end_mark))
+            result[key] = self.build(value_node, child)
+        return result
+
+    def merged(self, value: yaml.Node, path: YamlPath) -> list[Pair]:
+        """The pairs a merge key (`<<: *base` or `<<: [*a, *b]`) brings in, as YAML's merge type
+        has it: an earlier mapping wins over a later one, and each mapping's own keys over what it
+        merged itself. Nodes are neither copied nor changed: an alias is still sized once, by
+        _check_expansion, and counted as built, by build()."""
+        sources = value.value if isinstance(value, yaml.SequenceNode) else [value]
+        out: dict[str, Pair] = {}
+        for src in sources:
+            if not isinstance(src, yaml.MappingNode) or src.tag not in _PLAIN_TAGS:
+                self.diagnostics.append(error(
+                    "yaml_syntax", "a merge key (<<) takes a mapping or a list of mappings",
+                    "Write `<<: *name` where `&name` marks a mapping, or `<<: [*a, *b]`.",
+                    address=format_path(path),
+                    range=SourceRange(self.filename, _pos(src.start_mark), _pos(src.end_mark))))
+                continue
+            pairs = [(k, v) for k, v in src.value if isinstance(k, yaml.ScalarNode)]
+            for k, v in pairs:
+                if k.tag != _MERGE:
+                    out.setdefault(str(k.value), (k, v))
+            for k, v in pairs:
+                if k.tag == _MERGE:
+                    for pair in self.merged(v, path):
+                        out.setdefault(str(pair[0].value), pair)
+        return list(out.values())

@@ -16,8 +16,9 @@ from typing import Any, BinaryIO
 from .layers import LayerRange
 
 MANIFEST_VERSION = 1
-DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+# \Z, not $: under re.match `$` also matches before a final newline, and "sha256:…\n" would pass.
+DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
+HEX_RE = re.compile(r"^[0-9a-f]{64}\Z")
 _LAYER_OF = re.compile(r"(?:^|\.)(?:layers|h|blocks|blk)\.(\d+)\.")
 # The files a tokenizer is loaded from (transformers' names, sentencepiece's, a chat template kept
 # beside them): only a pipeline's first stage tokenises, so only the first slice holds them.

@@ -139,6 +139,11 @@ def test_a_wrong_slice_digest_is_refused(trio_agents: list[Agent], models: tuple
     ("PUT", "/v1/weights/sha256:" + "a" * 64, {"peer": "http://127.0.0.2:1", "layers": "0-1"}, 400),
     ("PUT", "/v1/weights/sha256:" + "a" * 64, {"peer": "http://127.0.0.2:1", "name": "x\x00y"}, 400),
     ("DELETE", "/v1/weights/sha256:" + "a" * 64, None, 404),
+    # A pattern guards the whole name: `$` under re.match let a final newline through.
+    ("GET", "/v1/weights/sha256:" + "a" * 64 + "%0A", None, 400),
+    ("GET", "/v1/blobs/" + "a" * 64 + "%0A", None, 400),
+    ("PUT", "/v1/weights/sha256:" + "a" * 64, {"peer": "http://127.0.0.2:1\n"}, 400),
+    ("POST", "/v1/servers", {"id": "chat@n0\n", "model": "sha256:" + "a" * 64, "port": 9000}, 400),
 ])
 def test_untrusted_input_is_refused(trio_agents: list[Agent], method: str, path: str, body: Any, status: int) -> None:
     r = httpx.request(method, trio_agents[0].url + path, json=body, headers=AUTH, timeout=10)

@@ -8,6 +8,7 @@ import pytest
 
 from reconciler import cli, config
 from reconciler.source import MAX_BYTES, parse
+from wire import manifest as mf
 
 MINIMAL = "version: 1\ncontrol_plane: {node: cp}\nnodes:\n  cp: {address: 127.0.0.1}\n"
 
@@ -106,3 +107,72 @@ def test_warnings_do_not_fail_and_slices_cover_the_model() -> None:
     assert loaded.ok, loaded.diagnostics
     short = text.replace("'2-3'", "'2'")
     assert codes(config.load_text(short, "t.yaml")) == ["slice_gap"]
+
+
+# ---- YAML merge keys (`<<`): the implicit resolver for them was dropped with the others ----
+
+MERGED = """version: 1
+control_plane: {node: cp}
+nodes:
+  cp: &node {address: 127.0.0.1, agent_port: 7071, labels: {zone: a}}
+  gpu-a: {<<: *node, address: 127.0.0.2}
+  gpu-b:
+    <<: [{agent_port: 7072}, *node]
+    address: 127.0.0.3
+"""
+
+
+def test_merge_keys_fill_a_mapping_and_its_own_keys_win() -> None:
+    loaded = config.load_text(MERGED, "t.yaml")
+    assert loaded.ok, [d.summary for d in loaded.diagnostics]
+    assert loaded.desired is not None
+    a, b = loaded.desired.nodes["gpu-a"], loaded.desired.nodes["gpu-b"]
+    assert (a.address, a.agent_port) == ("127.0.0.2", 7071)  # its own address over the merged one
+    assert (b.address, b.agent_port) == ("127.0.0.3", 7072)  # the earlier of two merged mappings wins
+    assert loaded.document is not None
+    assert loaded.document.data["nodes"]["gpu-a"]["labels"] == {"zone": "a"}
+    # A merged value keeps the place it was written: errors in it point at the anchor.
+    assert loaded.document.marks[("nodes", "gpu-a", "agent_port")][0].line == 4
+
+
+def test_a_merged_mapping_with_its_own_merge_and_a_duplicate_of_a_merged_key() -> None:
+    doc, diags = parse("a: &a {x: 1, y: 1}\nb: &b {<<: *a, y: 2}\nc: {<<: *b, z: 3}\n"
+                       "d: {<<: *a, x: 4, x: 5}\n", "t.yaml")
+    assert doc is not None
+    assert doc.data["c"] == {"x": 1, "y": 2, "z": 3}
+    # Overriding a merged key is not a duplicate; writing a key twice still is.
+    assert [d.code for d in diags] == ["duplicate_key"] and doc.data["d"] == {"x": 4, "y": 1}
+
+
+@pytest.mark.parametrize("text", ["a: {<<: 1}\n", "a: {<<: [x]}\n", "a: {<<: [[]]}\n"])
+def test_a_merge_of_something_else_than_mappings_is_a_syntax_error(text: str) -> None:
+    doc, diags = parse(text, "t.yaml")
+    assert [d.code for d in diags] == ["yaml_syntax"] and "merge key" in diags[0].summary
+
+
+def test_a_quoted_merge_key_and_a_merge_as_a_value_are_plain_strings() -> None:
+    doc, diags = parse('a: {"<<": 1}\nb: <<\n', "t.yaml")
+    assert diags == [] and doc is not None and doc.data == {"a": {"<<": 1}, "b": "<<"}
+
+
+def test_merges_are_sized_like_aliases() -> None:
+    lines = ["a0: &a0 {" + ", ".join(f"k{j}: [x, x, x, x, x, x, x, x, x, x]" for j in range(10)) + "}"]
+    for i in range(1, 9):
+        lines.append(f"a{i}: &a{i} {{<<: *a{i-1}, " + ", ".join(f"m{j}: *a{i-1}" for j in range(10)) + "}")
+    assert codes(config.load_text("\n".join(lines) + "\n", "t.yaml")) == ["yaml_too_complex"]
+
+
+# ---- a pattern guards the whole string: `$` under re.match also matched before a final newline ----
+
+def test_a_digest_with_a_final_newline_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    digest = "sha256:" + "a" * 64
+    f = tmp_path / "fleet.yaml"
+    f.write_text(MINIMAL + f'models:\n  m: {{format: gguf, digest: "{digest}\\n", source: cp}}\n')
+    assert cli.run(["validate", "-f", str(f)]) == 3
+    err = capsys.readouterr().err
+    assert "models.m.digest" in err and "is not valid here" in err
+    f.write_text(MINIMAL + f'models:\n  m: {{format: gguf, digest: "{digest}", source: cp}}\n')
+    assert cli.run(["validate", "-f", str(f)]) == 0
+    with pytest.raises(mf.ManifestError):
+        mf.check_digest(digest + "\n")
+    assert not mf.HEX_RE.match("a" * 64 + "\n")
