@@ -4,6 +4,7 @@ asking again later can help (`retryable`, which the executor acts on)."""
 from __future__ import annotations
 
 import errno
+import json
 import socket
 
 from .model import NodeSpec
@@ -46,6 +47,30 @@ class AgentProtocolError(AgentError):
         super().__init__(node, f"node {node.name!r} at {node.address}:{node.agent_port} answered "
                                f"malformed state{where}: {problem}")
         self.field = field
+
+
+class NotAnAgent(AgentProtocolError):
+    """Something answers at the node's address, and it is not a fleet agent (a web server's 404
+    page, a proxy's HTML): said so, with at most a short excerpt of what it sent."""
+
+    code = "not_a_fleet_agent"
+
+    def __init__(self, node: NodeSpec, method: str, path: str, status: int, problem: str, body: bytes) -> None:
+        AgentError.__init__(self, node, f"node {node.name!r} at {node.address}:{node.agent_port} is not a fleet "
+                                        f"agent: {method} {path} answered {status}{problem} "
+                                        f"(it sent {excerpt(body)})")
+        self.field = ""
+        self.status = status
+
+
+def excerpt(body: bytes, limit: int = 60) -> str:
+    """The start of an answer, safe to print in a terminal or a log: whitespace runs made one space,
+    at most `limit` characters, quoted and escaped as a JSON string in ASCII (a foreign server's
+    bytes may hold terminal control sequences)."""
+    text = " ".join(body[:limit * 4].decode("utf-8", "replace").split())
+    if not text:
+        return "an empty body"
+    return json.dumps(text[:limit]) + ("…" if len(text) > limit else "")
 
 
 class AgentHTTPError(AgentError):

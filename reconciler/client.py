@@ -13,14 +13,15 @@ import fastjsonschema
 import trio
 from jsonschema import Draft202012Validator
 
-from .agent_errors import AgentError, AgentHTTPError, AgentProtocolError, NodeAuthRejected, NodeUnreachable, cause
+from .agent_errors import (AgentError, AgentHTTPError, AgentProtocolError, NodeAuthRejected, NodeUnreachable, NotAnAgent,
+                           cause, excerpt)
 from .diagnostics import format_path
 from .model import NodeSpec
 from .schema import Validator, load_schema
 from .transport import AgentRequest, SocketTransport, Transport
 
 __all__ = ["AgentClient", "AgentError", "AgentHTTPError", "AgentProtocolError", "NodeAuthRejected",
-           "NodeUnreachable"]
+           "NodeUnreachable", "NotAnAgent"]
 
 
 @cache
@@ -67,7 +68,7 @@ class AgentClient:
             raise NodeUnreachable(node, f"timed out (no answer within {self._timeout:g}s)") from None
         except (OSError, trio.BrokenResourceError) as exc:
             raise NodeUnreachable(node, cause(exc)) from None
-        return _answer(node, status, content, raw=raw, ok404=ok404)
+        return _answer(node, status, content, raw=raw, ok404=ok404, request=(method, path))
 
     async def state(self, node: NodeSpec) -> dict[str, Any]:
         data = await self.request(node, "GET", "/v1/state")
@@ -110,23 +111,32 @@ class AgentClient:
         await self.request(node, "DELETE", f"/v1/servers/{sid}", ok404=True)
 
 
-def _answer(node: NodeSpec, status: int, content: bytes, *, raw: bool = False, ok404: bool = False) -> Any:
-    if status == 401:
-        raise NodeAuthRejected(node, _error_message(content) or "401 Unauthorized")
+def _answer(node: NodeSpec, status: int, content: bytes, *, raw: bool = False, ok404: bool = False,
+            request: tuple[str, str] = ("GET", "/v1/state")) -> Any:
+    """The answer's value, or the error it means. An agent's errors are JSON ({"error": {"message"}});
+    a 4xx without that, or a success that is not JSON, comes from something that is not an agent."""
     if status == 404 and ok404:
         return None
     if status >= 400:
-        raise AgentHTTPError(node, status, _error_message(content) or f"HTTP {status}")
+        message = _error_message(content)
+        if message is None and status < 500:
+            raise NotAnAgent(node, *request, status, "", content)
+        if status == 401:
+            raise NodeAuthRejected(node, message or "401 Unauthorized")
+        # A 5xx without the agent's JSON may be a proxy in front of an agent that is down: retryable.
+        raise AgentHTTPError(node, status, message or f"HTTP {status} (it sent {excerpt(content)})")
     if raw:
         return content
     try:
         return json.loads(content)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AgentProtocolError(node, f"not JSON ({exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise NotAnAgent(node, *request, status, " with a body that is not JSON", content) from None
 
 
-def _error_message(content: bytes) -> str:
+def _error_message(content: bytes) -> str | None:
+    """The message of an agent's error answer; None for anything else."""
     try:
-        return str(json.loads(content)["error"]["message"])
-    except Exception:
-        return content[:200].decode("utf-8", "replace")
+        error = json.loads(content)["error"]
+        return str(error["message"]) if isinstance(error, dict) else None
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -1,4 +1,5 @@
-"""`fleet observe`, `plan`, `apply`, `serve`: load, observe, plan, show, execute, and exit codes.
+"""`fleet observe`, `plan`, `apply`, `serve`: load, observe, plan, show, execute, and exit codes;
+under --json one document on stdout whatever happens (a refusal is a Failure: reconciler/outcome.py).
 (`nodes`, `alerts` and `unlock` read the state directory: reconciler/tables.py.)"""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from rich.markup import escape
 
 from . import config
 from .client import AgentClient
@@ -22,46 +24,42 @@ from .exitcodes import Exit
 from .model import Desired
 from .observe import observe
 from .observed import Observed, from_snapshot
+from .outcome import Failure, print_json
 from .plan import Plan
 from .planner import plan as make_plan
-from .render import console, print_diagnostics, print_plan, result_line
-from .state_store import ApplyLedger, LockHeld, StateStore, default_state_dir
-
-
-class Stop(Exception):
-    """End the command with this exit code, after the message was printed."""
-
-    def __init__(self, code: int) -> None:
-        self.code = code
+from .render import JSON_FORMAT_VERSION, console, print_diagnostics, print_plan, result_line
+from .state_store import ApplyLedger, LockHeld
+from .tables import open_store
 
 
 def _load(path: str) -> config.Loaded:
     loaded = config.load(path)
     if not loaded.ok:
-        print_diagnostics(console(stderr=True), loaded.diagnostics, loaded.text)
-        console(stderr=True).print(f"[red]✗[/] {path} is not valid: run `fleet validate -f {path}`")
-        raise Stop(Exit.INVALID_CONFIG)
+        errors = sum(1 for d in loaded.diagnostics if d.is_error)
+        raise Failure(Exit.INVALID_CONFIG, "invalid_config",
+                      f"{path} is not valid ({errors} error{'s' if errors != 1 else ''}): run `fleet validate -f "
+                      f"{path}`", loaded.diagnostics, source_text=loaded.text)
     return loaded
 
 
 def _secret() -> str:
     secret = os.environ.get("FLEET_CLUSTER_SECRET", "")
     if len(secret.encode()) < 16:
-        console(stderr=True).print("[red]error:[/] FLEET_CLUSTER_SECRET is not set (or shorter than 16 bytes): "
-                                   "the control plane needs the cluster secret its agents were started with")
-        raise Stop(Exit.FAILURE)
+        raise Failure(Exit.INVALID_CONFIG, "no_cluster_secret",
+                      "FLEET_CLUSTER_SECRET is not set (or shorter than 16 bytes): the control plane needs the "
+                      "cluster secret its agents were started with")
     return secret
 
 
-async def _observe(desired: Desired, timeout: float) -> Observed:
-    async with AgentClient(_secret(), timeout=timeout) as client:
+async def _observe(desired: Desired, timeout: float, secret: str) -> Observed:
+    async with AgentClient(secret, timeout=timeout) as client:
         return await observe(desired, client, timeout=timeout)
 
 
 def cmd_observe(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
     assert loaded.desired is not None
-    observed = trio.run(_observe, loaded.desired, args.timeout)
+    observed = trio.run(_observe, loaded.desired, args.timeout, _secret())
     text = json.dumps(observed.to_snapshot(), indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -78,11 +76,11 @@ def _plan(loaded: config.Loaded, args: argparse.Namespace) -> Plan:
     if getattr(args, "observed", None):
         try:
             observed = from_snapshot(json.loads(Path(args.observed).read_text()))
-        except (OSError, ValueError) as exc:
-            console(stderr=True).print(f"[red]error:[/] cannot read the snapshot {args.observed}: {exc}")
-            raise Stop(Exit.FAILURE) from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise Failure(Exit.INVALID_CONFIG, "unreadable_snapshot",
+                          f"cannot read the snapshot {args.observed}: {exc}") from None
     else:
-        observed = trio.run(_observe, loaded.desired, args.timeout)
+        observed = trio.run(_observe, loaded.desired, args.timeout, _secret())
     warnings = tuple(d for d in loaded.diagnostics if not d.is_error)
     p = make_plan(loaded.desired, observed, targets=tuple(args.target or ()),
                   config_digest=loaded.digest or "", config_file=loaded.filename)
@@ -93,21 +91,21 @@ def cmd_plan(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
     p = _plan(loaded, args)
     if args.out:
-        Path(args.out).write_text(json.dumps(p.to_json(), indent=2) + "\n")
+        try:
+            Path(args.out).write_text(json.dumps(p.to_json(), indent=2) + "\n")
+        except OSError as exc:
+            raise Failure(Exit.INVALID_CONFIG, "cannot_write", f"cannot save the plan to {args.out}: {exc}") from None
+    code = Exit.PLAN_REFUSED if p.errored else Exit.CHANGES if p.changes and args.detailed_exitcode else Exit.OK
     if args.json:
-        print(json.dumps(p.to_json(), indent=2))
-    else:
-        print_plan(console(stderr=False), p)
-        print_diagnostics(console(stderr=True), p.diagnostics, None)
-        if args.out and not p.errored:
-            console(stderr=True).print(f"saved to {args.out}: apply exactly this plan with `fleet apply {args.out}`")
+        print_json(p.to_json())
+        return code
+    print_plan(console(stderr=False), p)  # a refused plan prints nothing here: its errors say it all
+    print_diagnostics(console(stderr=True), p.diagnostics, None)
     if p.errored:
-        if not args.json:
-            console(stderr=True).print("[red]✗ plan refused:[/] fix the errors above; nothing will be applied.")
-        return Exit.PLAN_REFUSED
-    if p.changes and args.detailed_exitcode:
-        return Exit.CHANGES
-    return Exit.OK
+        console(stderr=True).print("[red]✗ plan refused:[/] fix the errors above; nothing will be applied.")
+    elif args.out:
+        console(stderr=True).print(f"saved to {args.out}: apply exactly this plan with `fleet apply {args.out}`")
+    return code
 
 
 def _stale(saved: Plan, loaded: config.Loaded, args: argparse.Namespace) -> list[str]:
@@ -126,74 +124,96 @@ def _stale(saved: Plan, loaded: config.Loaded, args: argparse.Namespace) -> list
 
 def cmd_apply(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
-    err = console(stderr=True)
     # The lock covers planning too: two applies planning at once would both plan the same work.
-    with StateStore(Path(args.state_dir) if args.state_dir else default_state_dir()) as store:
+    with open_store(args.state_dir) as store:
         ledger = store.applies
         try:
             lock, taken = ledger.acquire(" ".join(["fleet", *sys.argv[1:]]))
         except LockHeld as exc:
-            err.print(f"[red]error[lock_held]:[/] {exc}\n  = If that process is gone for good: "
-                      f"fleet unlock {exc.holder.id}")
-            return Exit.LOCKED
+            raise Failure(Exit.LOCKED, "lock_held", str(exc),
+                          hint=f"if that process is gone for good: fleet unlock {exc.holder.id}") from None
         if taken is not None:
-            err.print(f"[yellow]warning:[/] took over the lock of a process that is gone: {taken.describe()}")
+            console(stderr=True).print(f"[yellow]warning:[/] took over the lock of a process that is gone: "
+                                       f"{taken.describe()}")
         try:
             return _apply_locked(loaded, args, ledger)
         finally:
             ledger.release(lock.id)
 
 
+def _saved_plan(loaded: config.Loaded, args: argparse.Namespace) -> Plan:
+    try:
+        saved = Plan.from_json(json.loads(Path(args.planfile).read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise Failure(Exit.INVALID_CONFIG, "unreadable_plan", f"cannot read the saved plan {args.planfile}: {exc}",
+                      hint="make one with: fleet plan -o FILE") from None
+    reasons = _stale(saved, loaded, args)
+    if reasons:
+        raise Failure(Exit.STALE_PLAN, "stale_plan", f"the saved plan {args.planfile} is stale; nothing was applied",
+                      [error("stale_plan", r, "Make a new plan: fleet plan -o FILE") for r in reasons])
+    return saved
+
+
+def _confirm() -> str | None:
+    """Ask on the terminal; None for 'yes', else why not. The question goes to stderr, so that
+    stdout keeps nothing but the plan (or, under --json, the document)."""
+    if not sys.stdin.isatty():
+        raise Failure(Exit.USAGE, "confirmation_needed", "apply needs confirmation, and there is no terminal to "
+                      "ask on", hint="pass --auto-approve, or apply a saved plan (fleet plan -o FILE; fleet apply FILE)")
+    sys.stdout.flush()
+    sys.stderr.write("\nApply these changes? Only 'yes' is accepted: ")
+    sys.stderr.flush()
+    answer = sys.stdin.readline()
+    if not answer:
+        return "the input ended (Ctrl-D) before an answer"
+    if answer.strip() != "yes":
+        return f"the answer was {answer.strip()!r}, not 'yes'"
+    return None
+
+
 def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, ledger: ApplyLedger) -> int:
     err = console(stderr=True)
-    if args.planfile:
-        try:
-            saved = Plan.from_json(json.loads(Path(args.planfile).read_text()))
-        except (OSError, ValueError, KeyError) as exc:
-            err.print(f"[red]error:[/] cannot read the saved plan {args.planfile}: {exc}")
-            return Exit.FAILURE
-        reasons = _stale(saved, loaded, args)
-        if reasons:
-            print_diagnostics(err, [error("stale_plan", r, "Make a new plan: fleet plan -o FILE") for r in reasons],
-                              None)
-            return Exit.STALE_PLAN
-        p = saved
-    else:
-        p = _plan(loaded, args)
-    print_plan(console(stderr=False), p)
+    people = console(stderr=args.json)  # under --json, stdout carries the document alone
+    p = _saved_plan(loaded, args) if args.planfile else _plan(loaded, args)
+    print_plan(people, p)
     print_diagnostics(err, p.diagnostics, None)
     if p.errored:
         err.print("[red]✗ plan refused:[/] fix the errors above; nothing was applied.")
-        return Exit.PLAN_REFUSED
+        return _applied(args, p, "refused", Exit.PLAN_REFUSED, "plan refused: nothing was applied")
     if not p.changes:
-        return Exit.OK
+        return _applied(args, p, "no_changes", Exit.OK, "no changes: the fleet matches the configuration")
     if not args.planfile and not args.auto_approve:
-        if not sys.stdin.isatty():
-            err.print("[red]error:[/] apply needs confirmation, and there is no terminal to ask on: pass "
-                      "--auto-approve, or apply a saved plan (fleet plan -o FILE; fleet apply FILE)")
-            return Exit.FAILURE
-        answer = input("\nApply these changes? Only 'yes' is accepted: ")
-        if answer.strip() != "yes":
-            err.print("Apply cancelled; nothing changed.")
-            return Exit.OK
+        declined = _confirm()
+        if declined is not None:
+            err.print(f"\n[yellow]✗[/] Apply cancelled: {escape(declined)}; nothing changed.")
+            return _applied(args, p, "cancelled", Exit.CANCELLED, f"apply cancelled: {declined}; nothing changed")
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     desired = loaded.desired
     assert desired is not None
-    results = trio.run(_execute, desired, p, args)
+    results = trio.run(_execute, desired, p, args, _secret())
     ledger.record_apply(started, p.config_digest, p.summary(), [asdict(r) for r in results])
-    out = console(stderr=False)
     for r in results:
-        out.print(result_line(r))
+        people.print(result_line(r))
     failed = [r for r in results if r.status != "done"]
     if failed:
         err.print(f"[red]✗ {len(failed)} of {len(results)} actions did not complete.[/] Run `fleet apply` "
                   "again once the causes above are fixed: it converges.")
-        return Exit.APPLY_FAILED
-    console(stderr=False).print(f"[green]Apply complete:[/] {len(results)} actions.")
-    return Exit.OK
+        return _applied(args, p, "failed", Exit.APPLY_FAILED,
+                        f"{len(failed)} of {len(results)} actions did not complete", results)
+    people.print(f"[green]Apply complete:[/] {len(results)} actions.")
+    return _applied(args, p, "applied", Exit.OK, f"apply complete: {len(results)} actions", results)
 
 
-async def _execute(desired: Desired, p: Plan, args: argparse.Namespace) -> list[Result]:
+def _applied(args: argparse.Namespace, p: Plan, outcome: str, code: Exit, message: str,
+             results: list[Result] | None = None) -> int:
+    """The apply document (schemas/apply.schema.json) under --json; the exit code either way."""
+    if args.json:
+        print_json({"format_version": JSON_FORMAT_VERSION, "outcome": outcome, "exit_code": int(code),
+                    "message": message, "plan": p.to_json(), "results": [asdict(r) for r in results or ()]})
+    return code
+
+
+async def _execute(desired: Desired, p: Plan, args: argparse.Namespace, secret: str) -> list[Result]:
     out = console(stderr=True)
 
     def progress(event: str, data: dict[str, Any]) -> None:
@@ -203,7 +223,7 @@ async def _execute(desired: Desired, p: Plan, args: argparse.Namespace) -> list[
             out.print(f"  ↻ {data['change'].action.value} {data['change'].address}: retry {data['attempt']} "
                       f"after {data['error']}", markup=False)
 
-    async with AgentClient(_secret(), timeout=args.timeout) as client:
+    async with AgentClient(secret, timeout=args.timeout) as client:
         return await Executor(desired, client, parallelism=args.parallelism, progress=progress).run(p)
 
 
@@ -217,17 +237,17 @@ def cmd_serve(args: argparse.Namespace, path: str) -> int:
     assert desired is not None
     logging.basicConfig(level=logging.INFO, format="fleet serve: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request is noise
-    store = StateStore(Path(args.state_dir) if args.state_dir else default_state_dir())
+    secret = _secret()
+    store = open_store(args.state_dir)
     try:
-        trio.run(lambda: serve(desired, _secret(), store.serve, interval=args.interval, misses=args.misses,
+        trio.run(lambda: serve(desired, secret, store.serve, interval=args.interval, misses=args.misses,
                                timeout=args.timeout))
     except ServeRefused as exc:
-        console(stderr=True).print(f"[red]error:[/] {exc}")
-        return Exit.INVALID_CONFIG
+        raise Failure(Exit.INVALID_CONFIG, "serve_refused", str(exc)) from None
     except OSError as exc:
-        console(stderr=True).print(f"[red]error:[/] cannot listen on {desired.control_plane.listen}: "
-                                   f"{exc.strerror or exc}")
-        return Exit.FAILURE
+        # Like fleet-agent's port in use: the environment makes serving pointless (exit 3, said why).
+        raise Failure(Exit.INVALID_CONFIG, "cannot_listen", f"cannot listen on {desired.control_plane.listen}: "
+                      f"{exc.strerror or exc}") from None
     finally:
         store.close()
     return Exit.OK

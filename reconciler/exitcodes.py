@@ -1,14 +1,7 @@
-"""Exit codes, the same for every command (the README's table): part of the interface, never renumbered."""
+"""Exit codes, the same for every command of `fleet` and `fleet-agent` (the README's table): part of
+the interface, never renumbered. Defined in wire/command_line.py, the contract both commands share
+(the agent may not import the control plane)."""
 
-from enum import IntEnum
+from wire.command_line import EXIT_TABLE, Exit, ExitRow, exit_codes_epilog
 
-
-class Exit(IntEnum):
-    OK = 0  # success; for `plan`, no changes
-    FAILURE = 1  # unexpected failure (a bug, or an error with no better code)
-    CHANGES = 2  # `plan --detailed-exitcode`: success, changes present
-    INVALID_CONFIG = 3  # what `validate` finds
-    PLAN_REFUSED = 4  # at least one plan error
-    LOCKED = 5  # another apply holds the lock
-    STALE_PLAN = 6  # saved plan no longer matches the config or the fleet
-    APPLY_FAILED = 7  # apply ran and some actions failed
+__all__ = ["EXIT_TABLE", "Exit", "ExitRow", "exit_codes_epilog"]

@@ -87,7 +87,10 @@ def pipeline_line(details: Mapping[str, Any]) -> str | None:
 
 def print_plan(out: Console, plan: Any) -> None:
     """A plan for people: one block per action with its reason, then the summary line; a pipeline's
-    group is named above its first stage (its stages start together)."""
+    group is named above its first stage (its stages start together). A refused plan prints
+    nothing: its errors and the refusal are the whole story (never "No changes." beside them)."""
+    if plan.errored:
+        return
     if not plan.changes:
         out.print("[green]No changes.[/] The fleet matches the configuration.")
     else:

@@ -1,10 +1,11 @@
 """`fleet nodes`, `fleet alerts`, `fleet unlock`: read (or release) what the state directory keeps
-and print it; nodes are read as typed observations (reconciler/observed.py)."""
+and print it (or, under --json, one document: schemas/nodes.schema.json, schemas/alerts.schema.json);
+nodes are read as typed observations (reconciler/observed.py)."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +13,24 @@ from . import config
 from .exitcodes import Exit
 from .model import NodeSpec
 from .observed import ObservedNode, node_from_state
-from .render import console
+from .outcome import Failure, print_json
+from .render import JSON_FORMAT_VERSION, console
 from .state_store import StateStore, default_state_dir
 
 
+def open_store(state_dir: str | None) -> StateStore:
+    """The state directory's store (--state-dir, else the default); one that cannot be opened is a
+    refusal naming the directory, not a bug."""
+    where = Path(state_dir) if state_dir else default_state_dir()
+    try:
+        return StateStore(where)
+    except (OSError, sqlite3.Error) as exc:
+        raise Failure(Exit.INVALID_CONFIG, "state_dir_unusable", f"cannot use the state directory {where}: {exc}",
+                      hint="give another with --state-dir DIR or FLEET_STATE_DIR") from None
+
+
 def _open(args: argparse.Namespace) -> StateStore:
-    return StateStore(Path(args.state_dir) if args.state_dir else default_state_dir())
+    return open_store(args.state_dir)
 
 
 def cmd_unlock(args: argparse.Namespace) -> int:
@@ -27,8 +40,8 @@ def cmd_unlock(args: argparse.Namespace) -> int:
             console(stderr=True).print("no lock is held")
             return Exit.OK
         if holder.id != args.lock_id:
-            console(stderr=True).print(f"[red]error:[/] the lock is held by {holder.describe()}, not {args.lock_id}")
-            return Exit.FAILURE
+            raise Failure(Exit.LOCKED, "lock_held", f"the lock is held by {holder.describe()}, not {args.lock_id}",
+                          hint=f"if that process is gone for good: fleet unlock {holder.id}")
         store.applies.release(holder.id)
     console(stderr=True).print(f"released the lock of {holder.describe()}")
     return Exit.OK
@@ -60,7 +73,7 @@ def cmd_nodes(args: argparse.Namespace, path: str) -> int:
     loaded = config.load(path) if Path(path).is_file() else None  # for addresses, when the file is here
     specs = loaded.desired.nodes if loaded is not None and loaded.desired is not None else {}
     if args.json:
-        print(json.dumps({"nodes": nodes, "servers": rows, "alerts": alerts}, indent=2))
+        print_json({"format_version": JSON_FORMAT_VERSION, "nodes": nodes, "servers": rows, "alerts": alerts})
         return Exit.OK
     if not nodes:
         console(stderr=True).print("no node has been seen yet: `fleet serve` records what its heartbeat finds")
@@ -98,7 +111,7 @@ def cmd_alerts(args: argparse.Namespace, path: str) -> int:
     with _open(args) as store:
         alerts: list[dict[str, Any]] = store.serve.alerts(include_cleared=args.all)
     if args.json:
-        print(json.dumps(alerts, indent=2))
+        print_json(alerts)
         return Exit.OK
     if not alerts:
         console(stderr=False).print("no alerts" if not args.all else "no alerts recorded")

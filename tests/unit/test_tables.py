@@ -76,7 +76,7 @@ def test_unlock_releases_only_the_named_lock(tmp_path: Path, capsys: pytest.Capt
     with StateStore(tmp_path) as store:
         lock, _ = store.applies.acquire("fleet apply")
     code, _, err = fleet(capsys, "unlock", "not-it", "--state-dir", str(tmp_path))
-    assert code == 1 and f"lock id {lock.id}" in err
+    assert code == 5 and f"lock id {lock.id}" in err and f"fleet unlock {lock.id}" in err
     code, _, err = fleet(capsys, "unlock", lock.id, "--state-dir", str(tmp_path))
     assert code == 0 and "released the lock" in err
     assert "no lock is held" in fleet(capsys, "unlock", lock.id, "--state-dir", str(tmp_path))[2]
