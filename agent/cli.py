@@ -11,13 +11,14 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from wire.command_line import Exit, Parser, UsageError, error_document, exit_codes_epilog, json_asked
 from wire.windows import Window
 
 from . import __version__, environment, identity, inventory
 
 DEFAULT_HOME = "/var/lib/fleet-agent"
 DEFAULT_PORT = 7070
-EXIT_REFUSED = 3  # the environment or the flags make starting pointless: said why, started nothing
+EXIT_REFUSED = Exit.INVALID_CONFIG  # the environment or the flags make it pointless: said why, did nothing
 
 
 class Refused(Exception):
@@ -115,7 +116,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         marks = {"ok": "ok  ", "warning": "warn", "error": "FAIL"}
         for f in findings:
             print(f"[{marks[f.level]}] {f.message}")
-    return 1 if any(f.level == "error" for f in findings) else 0
+    # A failed check is the machine's configuration, as `fleet validate` finding an error is the file's.
+    return Exit.INVALID_CONFIG if any(f.level == "error" for f in findings) else Exit.OK
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -182,15 +184,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def cmd_completion(args: argparse.Namespace) -> int:
+    from argcomplete.shell_integration import shellcode
+
+    sys.stdout.write(shellcode(["fleet-agent"], shell=args.shell))
+    return Exit.OK
+
+
+def build_parser() -> Parser:
+    parser = Parser(
         prog="fleet-agent",
         description="The fleet node agent: reports what this machine has and does what the control "
                     "plane asks. It never registers itself anywhere; add the node to fleet.yaml.",
-        epilog="exit codes: 0 ok, 1 unexpected failure or failed checks, 2 usage, 3 refused to start "
-               "(the reason is printed)")
-    parser.add_argument("--version", action="version", version=f"fleet-agent {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+        epilog=exit_codes_epilog("fleet-agent", full="fleet --help, or the README"))
+    parser.add_argument("--version", action="version", version=f"fleet-agent {__version__}",
+                        help="print fleet-agent's version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     home_help = f"the agent's home: identity and weights (default: $FLEET_AGENT_HOME, else {DEFAULT_HOME})"
 
     p = sub.add_parser("enroll", help="write this node's identity, once",
@@ -206,10 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and an enrolled home; refuses to start, saying why, otherwise.")
     p.add_argument("--home", help=home_help)
     p.add_argument("--listen", default=f"0.0.0.0:{DEFAULT_PORT}", metavar="ADDR:PORT",
-                   help=f"address and port to listen on (default 0.0.0.0:{DEFAULT_PORT})")
+                   help="address and port to listen on")
     p.add_argument("--available", action="append", metavar="HH:MM-HH:MM",
                    help="a daily window (local time) in which the control plane may change this node; "
-                        "repeatable; may cross midnight (19:00-07:00). Default: always")
+                        "repeatable; may cross midnight (19:00-07:00) (default: always)")
     p.add_argument("--simulate-gpus", metavar="FILE",
                    help="take the GPU list from a JSON file instead of NVML (tests, benchmarks); the "
                         "state then says simulated: true")
@@ -234,10 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-test-model", help="write a tiny random Llama (safetensors dir or GGUF file)",
                        description="Write a tiny but real Llama with random weights and a tokenizer "
                                    "trained on the spot, without network: for tests and the demo.")
-    p.add_argument("format", choices=["safetensors", "gguf"])
+    p.add_argument("format", choices=["safetensors", "gguf"], help="safetensors (a directory) or gguf (one file)")
     p.add_argument("out", help="the directory (safetensors) or file (gguf) to write")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4, metavar="N", help="decoder layers")
+    p.add_argument("--hidden", type=int, default=64, metavar="N",
+                   help="hidden size (the MLP's is twice that)")
     p.set_defaults(func=cmd_make_test_model)
 
     p = sub.add_parser("convert", help="turn a GGUF file into a safetensors model directory for PyTorch",
@@ -247,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("gguf", help="the .gguf file")
     p.add_argument("out", help="the directory to write (new or empty)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
-                   help="the weights' dtype (default bfloat16; float32 for exact comparisons)")
+                   help="the weights' dtype; float32 for exact comparisons")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("simulate", help="SIMULATION: many agents in one process, for benchmarks",
@@ -256,9 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "GPUs, held weights and servers are simulated (no engine is started) "
                                    "and the state says so. For benchmarks and scale tests only.")
     p.add_argument("--dir", required=True, help="a directory for the simulated homes")
-    p.add_argument("--first", default="127.1.0.1", help="the first address (default 127.1.0.1)")
-    p.add_argument("--count", type=int, required=True)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--first", default="127.1.0.1", metavar="ADDR", help="the first address")
+    p.add_argument("--count", type=int, required=True, metavar="N", help="how many agents to host")
+    p.add_argument("--port", type=int, required=True, help="the port every simulated agent listens on")
     p.add_argument("--gpus", required=True, help="a simulated GPU file (JSON), as for serve --simulate-gpus")
     p.add_argument("--hold", action="append", metavar="DIGEST:FORMAT:BYTES",
                    help="claim to hold this model (simulated; repeatable)")
@@ -269,31 +279,66 @@ def build_parser() -> argparse.ArgumentParser:
                                    "variant check (GPU present with a CPU-only build, or the reverse).")
     p.add_argument("--home", help=home_help)
     p.add_argument("--simulate-gpus", metavar="FILE", help="take the GPU list from a JSON file")
-    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the findings as one JSON document on stdout (a list of {level, check, message}), "
+                        "and any failure as the error document (schemas/error.schema.json)")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("completion", help="print the shell completion script (bash, zsh or fish)",
+                       description="Print the script that teaches a shell to complete fleet-agent's commands, "
+                                   "options and files.",
+                       epilog='examples:\n  eval "$(fleet-agent completion bash)"\n'
+                              "  fleet-agent completion fish > ~/.config/fish/completions/fleet-agent.fish")
+    p.add_argument("shell", choices=["bash", "zsh", "fish"], help="the shell to complete in")
+    p.set_defaults(func=cmd_completion)
+    for name, p in sub.choices.items():  # each command's exit codes under its help, as `fleet`'s
+        p.epilog = "\n\n".join(filter(None, [p.epilog, exit_codes_epilog("fleet-agent", full="fleet-agent --help")]))
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="fleet-agent: %(message)s", stream=sys.stderr)
+def _fail(argv: Sequence[str], command: str, exit: Exit, code: str, message: str, hint: str = "") -> int:
+    """Say why on stderr and, to a caller that asked for JSON, in the error document on stdout."""
+    print(f"{command}: {message}" + (f"\n  hint: {hint}" if hint else ""), file=sys.stderr)
+    if json_asked(argv):
+        print(json.dumps(error_document(command, exit, code, message, hint), indent=2), flush=True)
+    return exit
+
+
+def run(argv: Sequence[str]) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
-        parser.print_help(sys.stderr)
-        sys.exit(2)
     try:
-        code = args.func(args)
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        if json_asked(argv):
+            print(json.dumps(error_document(exc.prog, Exit.USAGE, "usage", exc.message, exc.hint), indent=2))
+        sys.stderr.write(exc.text())
+        return Exit.USAGE
+    if getattr(args, "func", None) is None:  # bare `fleet-agent`: the help, and the usage code, as `fleet`
+        parser.print_help(sys.stderr)
+        return Exit.USAGE
+    command = f"fleet-agent {args.command}"
+    try:
+        return int(args.func(args))
     except Refused as exc:
-        print(f"fleet-agent: refusing to start: {exc}" if args.command == "serve" else f"fleet-agent: {exc}",
-              file=sys.stderr)
-        code = EXIT_REFUSED
+        message = f"refusing to start: {exc}" if args.command == "serve" else str(exc)
+        return _fail(argv, command, EXIT_REFUSED, "refused", message)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions: answer them and exit
+        import argcomplete
+
+        argcomplete.autocomplete(build_parser())
+    logging.basicConfig(level=logging.INFO, format="fleet-agent: %(message)s", stream=sys.stderr)
+    try:
+        code = run(args)
     except KeyboardInterrupt:
-        code = 130
+        code = _fail(args, "fleet-agent", Exit.INTERRUPTED, "interrupted", "interrupted (Ctrl-C)")
     except Exception as exc:  # a bug: say so plainly; the traceback only when asked for
         if os.environ.get("FLEET_DEBUG"):
             raise
-        print(f"fleet-agent: internal error: {type(exc).__name__}: {exc}\n"
-              "This is a bug in fleet. Run again with FLEET_DEBUG=1 for the traceback and report it.",
-              file=sys.stderr)
-        code = 1
+        code = _fail(args, "fleet-agent", Exit.FAILURE, "internal_error",
+                     f"internal error: {type(exc).__name__}: {exc}",
+                     "This is a bug in fleet. Run again with FLEET_DEBUG=1 for the traceback and report it.")
     sys.exit(code)

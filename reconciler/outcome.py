@@ -5,26 +5,14 @@ diagnostics), shown to people as text on stderr or to machines as the error docu
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence, TypedDict
+from typing import Any, Sequence
 
 from rich.markup import escape
 
+from wire.command_line import error_document as wire_error_document
+
 from .diagnostics import Diagnostic
-from .render import JSON_FORMAT_VERSION, console, diagnostics_json, print_diagnostics
-
-
-class ErrorBody(TypedDict):
-    code: str
-    message: str
-    hint: str
-
-
-class ErrorDocument(TypedDict):
-    format_version: str
-    command: str
-    exit_code: int
-    error: ErrorBody
-    diagnostics: list[dict[str, Any]]
+from .render import console, diagnostics_json, print_diagnostics
 
 
 class Failure(Exception):
@@ -38,7 +26,7 @@ class Failure(Exception):
         self.exit, self.code, self.message, self.hint = exit, code, message, hint
         self.diagnostics, self.source_text = tuple(diagnostics), source_text
 
-    def document(self, command: str) -> ErrorDocument:
+    def document(self, command: str) -> dict[str, Any]:
         return error_document(command, self.exit, self.code, self.message, self.diagnostics, self.hint)
 
     def show(self, *, as_json: bool, command: str) -> None:
@@ -53,10 +41,8 @@ class Failure(Exception):
 
 
 def error_document(command: str, exit: int, code: str, message: str, diagnostics: Sequence[Diagnostic] = (),
-                   hint: str = "") -> ErrorDocument:
-    return {"format_version": JSON_FORMAT_VERSION, "command": command, "exit_code": int(exit),
-            "error": {"code": code, "message": message, "hint": hint},
-            "diagnostics": diagnostics_json(diagnostics)}
+                   hint: str = "") -> dict[str, Any]:
+    return wire_error_document(command, exit, code, message, hint, diagnostics_json(diagnostics))
 
 
 def print_json(document: Any) -> None:

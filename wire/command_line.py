@@ -198,6 +198,17 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
 
+JSON_FORMAT_VERSION = "1.0"
+
+
+def error_document(command: str, exit: int, code: str, message: str, hint: str = "",
+                   diagnostics: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """What a command asked for JSON prints when it cannot do its job (schemas/error.schema.json):
+    the same for both commands and every failure, usage errors included."""
+    return {"format_version": JSON_FORMAT_VERSION, "command": command, "exit_code": int(exit),
+            "error": {"code": code, "message": message, "hint": hint}, "diagnostics": list(diagnostics)}
+
+
 def json_asked(argv: Sequence[str]) -> bool:
     """Whether a command line asks for JSON, read before (or without) parsing it: a usage error
     must still answer in JSON to a caller that asked for JSON."""

@@ -251,7 +251,7 @@ def test_doctor_reports_checks(tmp_path: Path, gpu_file: Path) -> None:
     assert findings["identity"]["level"] == "ok"
     # A simulated GPU with no CUDA torch is the mismatch doctor exists to catch, or no torch at all.
     assert findings["variant:torch"]["level"] in ("error", "warning")
-    assert proc.returncode == (1 if findings["variant:torch"]["level"] == "error" else 0)
+    assert proc.returncode == (3 if findings["variant:torch"]["level"] == "error" else 0)  # 3: configuration
 
 
 def test_tls_agent_and_client(tmp_path: Path) -> None:
