@@ -58,11 +58,13 @@ def connection_cap(nofile: int | None = None) -> int:
     return max(16, (nofile - RESERVED_FDS) // 2)
 
 
-def raise_descriptor_limit() -> int:
-    """Raise the soft RLIMIT_NOFILE to the hard one (systemd gives 1,024 soft, 524,288 hard, and
-    expects a service that needs more to raise it itself); returns the soft limit now in force."""
+def raise_descriptor_limit(ceiling: int = 65536) -> int:
+    """Raise the soft RLIMIT_NOFILE towards the hard one, to `ceiling` at most (systemd gives 1,024
+    soft and 524,288 hard, and expects a service that needs more to raise it itself; beyond 65,536
+    the cap would let idle connections hold more memory than descriptors are worth). Returns
+    the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+    target = ceiling if hard == resource.RLIM_INFINITY else min(hard, ceiling)
     if soft != resource.RLIM_INFINITY and soft < target:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))

@@ -3,6 +3,7 @@ reloads the TLS certificate)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -53,6 +54,10 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
     keys = api_keys(desired)
     tls = server_tls(desired)
     raise_descriptor_limit()  # the front's connection cap follows it
+    # Each beat commits from the event loop. In WAL mode synchronous=NORMAL drops the commit's
+    # fsync, which stalled every stream for it on each beat (4 ms median, 12 ms max measured);
+    # the file stays consistent, and a power cut loses at most the last beat's rows.
+    store.db.execute("PRAGMA synchronous=NORMAL")
     async with AgentClient(secret, timeout=timeout) as client:
         metrics = ServeMetrics()
         heartbeat = Heartbeat(desired, observer(desired, client), store, interval=interval, misses=misses,
@@ -80,5 +85,10 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
             log.info("serving %d clusters on %s://%s (heartbeat every %gs, at most %d client connections)",
                      len(desired.clusters), "https" if tls else "http", desired.control_plane.listen, interval,
                      front.cap)
+            # What start-up built (modules, config, schema, the first beat) lives as long as the
+            # process: frozen out of every later collection, or a full one walks those ~50,000
+            # objects and stalls every stream (29 ms of CPU measured; a young one about 2 ms).
+            gc.collect()
+            gc.freeze()
             await front.serve(listeners, stop)
             nursery.cancel_scope.cancel()

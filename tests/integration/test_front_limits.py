@@ -77,7 +77,7 @@ clusters:
 """)
         return path
 
-    def serve(self, control_plane: str = "", nofile: int | None = None, scheme: str = "http",
+    def serve(self, control_plane: str = "", nofile: tuple[int, int] | None = None, scheme: str = "http",
               verify: ssl.SSLContext | bool = True, **env: str) -> Served:
         path = self.write(control_plane)
         listen = path.read_text().split('listen: "')[1].split('"')[0]
@@ -85,7 +85,7 @@ clusters:
 
         def limit() -> None:
             if nofile is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+                resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
 
         proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(path), "--state-dir", str(self.base / path.stem),
                                  "--interval", "0.2", "--misses", "2", "--timeout", "2"],
@@ -213,7 +213,7 @@ def test_more_idle_connections_than_descriptors_leave_requests_answered_and_node
     if hard != resource.RLIM_INFINITY and hard < 1500:
         pytest.skip(f"this test needs 1,500 descriptors (hard limit {hard})")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1500), hard))
-    served = fleet.serve(nofile=1024)
+    served = fleet.serve(nofile=(1024, 1024))
     socks: list[socket.socket] = []
     try:
         host, port = served.base.removeprefix("http://").split(":")
@@ -246,8 +246,12 @@ def raw(served: Served, request: bytes) -> bytes:
 
 
 def test_host_rules_and_only_a_bearer_key_is_a_key(fleet: Fleet) -> None:
-    served = fleet.serve(f", api_keys_env: {KEYS}", **{KEYS: "k-one,k-two"})
+    from reconciler.serve.front import connection_cap
+
+    # A soft limit under the hard one is raised first (as systemd's 1,024 / 524,288 would be).
+    served = fleet.serve(f", api_keys_env: {KEYS}", nofile=(1024, 4096), **{KEYS: "k-one,k-two"})
     try:
+        assert f"at most {connection_cap(4096)} client connections" in served.log.read_text()
         for head in (b"GET /healthz HTTP/1.1\r\n\r\n", b"GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"):
             got = raw(served, head)
             assert got.startswith(b"HTTP/1.1 400") and b'"invalid_host"' in got, got
