@@ -1,6 +1,7 @@
 """Server processes: start (returning at once), supervise to `running` or `failed` with the full
 reason, stop (SIGTERM, then SIGKILL), and never restart on their own. Processes come from an
-injected Launcher; how each engine is launched comes from its spec in agent/backends/."""
+injected Launcher; how each engine is launched comes from its spec in agent/backends/. A slice is
+served only as a stage of a pipeline, whose details the start carries."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from typing import Any, Callable, Mapping
 
 import trio
 
-from wire.state import ServerEntry, ServerExit, WeightsEntry
+from wire.layers import LayerRange
+from wire.plan_details import PipelineDetails
+from wire.state import PipelineInfo, ServerEntry, ServerExit, WeightsEntry
 
 from . import backends
+from .backends.pipeline import check_details
 from .launch import BadSettings, Launcher, LaunchSpec, Process
 from .store import WeightStore
 
@@ -66,12 +70,17 @@ class Server:
     exit: ServerExit | None = None
     started: float = field(default_factory=time.time)
     proc: Process | None = None
+    pipeline: PipelineInfo | None = None  # a pipeline stage's place in its group
+    reason_file: Path | None = None  # where the worker writes why it failed, in one line
 
     def to_json(self) -> ServerEntry:
-        return {"id": self.id, "state": self.state, "model": self.digest, "backend": self.backend,
-                "host": self.host, "port": self.port, "pid": self.pid, "settings": self.settings,
-                "speculative": self.speculative, "uptime_s": round(time.time() - self.started, 1),
-                "reason": self.reason, "exit": self.exit}
+        out: ServerEntry = {"id": self.id, "state": self.state, "model": self.digest, "backend": self.backend,
+                            "host": self.host, "port": self.port, "pid": self.pid, "settings": self.settings,
+                            "speculative": self.speculative, "uptime_s": round(time.time() - self.started, 1),
+                            "reason": self.reason, "exit": self.exit}
+        if self.pipeline is not None:
+            out["pipeline"] = self.pipeline
+        return out
 
 
 def _describe_exit(code: int) -> tuple[str, ServerExit]:
@@ -81,6 +90,17 @@ def _describe_exit(code: int) -> tuple[str, ServerExit]:
     return f"exited with code {code}", {"code": code, "signal": None}
 
 
+
+
+def _told(path: Path | None) -> str | None:
+    """The one line a worker wrote about why it failed, if it wrote one."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return None
+    return text.splitlines()[0][:2000] if text else None
 
 
 class Workers:
@@ -113,7 +133,22 @@ class Workers:
         entry = self.store.entry(digest)
         if entry["slice"]:
             raise Refused(409, "model_is_slice", f"{what} {digest} is held only as a slice (layers "
-                                                 f"{entry['slice']['layers']}); serving a slice is not supported")
+                                                 f"{entry['slice']['layers']}); a slice is served only as a "
+                                                 "pipeline stage (a start with pipeline details)")
+        return entry
+
+    def _stage_model(self, digest: str, details: PipelineDetails) -> WeightsEntry:
+        """The slice a pipeline stage serves: held, and of the layers its place in the group says."""
+        if not self.store.is_present(digest):
+            raise Refused(409, "model_not_held", f"model {digest} is not held on this node; replicate it first")
+        entry = self.store.entry(digest)
+        rank = details["rank"]
+        wanted = LayerRange.parse(details["stages"][rank]["layers"])
+        held = entry["slice"]
+        if held is None or LayerRange.parse(held["layers"]) != wanted:
+            what = f"layers {held['layers']}" if held else "the whole model"
+            raise Refused(409, "pipeline_slice_mismatch", f"model {digest} holds {what}, but stage {rank} of "
+                                                          f"pipeline {details['group']} serves layers {wanted}")
         return entry
 
     def start(self, body: dict[str, Any]) -> Server:
@@ -132,11 +167,24 @@ class Workers:
         settings = body.get("settings") or {}
         if not isinstance(settings, dict):
             raise Refused(400, "bad_request", "settings must be an object")
-        entry = self._model(digest, "model")
-        spec = backends.for_format(entry["format"], self.specs)
-        if spec is None:
-            raise Refused(409, "format_not_served", f"model {digest} is stored as {entry['format']}, which no "
-                                                    "backend of this agent serves")
+        details = None
+        if body.get("pipeline") is not None:
+            try:
+                details = check_details(body["pipeline"])
+            except BadSettings as exc:
+                raise Refused(400, "bad_request", str(exc)) from None
+            entry = self._stage_model(digest, details)
+            spec = self.specs.get(backends.PIPELINE)
+            if spec is None or spec.format != entry["format"]:
+                raise Refused(409, "format_not_served", f"model {digest} is a slice of a {entry['format']} model, "
+                                                        "which this agent does not serve as a pipeline stage")
+        else:
+            entry = self._model(digest, "model")
+            found = backends.for_format(entry["format"], self.specs)
+            if found is None:
+                raise Refused(409, "format_not_served", f"model {digest} is stored as {entry['format']}, which no "
+                                                        "backend of this agent serves")
+            spec = found
         missing = self.launcher.missing(spec.modules)
         if missing:
             raise Refused(409, "backend_not_installed",
@@ -146,13 +194,27 @@ class Workers:
         if problem:
             raise Refused(409, "port_unavailable", f"port {port} on {host} is {problem}; another server or "
                                                     "process holds it")
+        reason_file = self.logs / f"{sid}.reason"
+        launch_settings = settings
+        if details is not None:
+            rdv = details["rendezvous"]
+            problem = self.launcher.port_problem(rdv["address"], rdv["port"]) if details["rank"] == 0 else None
+            if problem:
+                raise Refused(409, "port_unavailable", f"the pipeline's rendezvous port {rdv['port']} on "
+                                                        f"{rdv['address']} is {problem}; another server or process "
+                                                        "holds it")
+            launch_settings = {**settings, "pipeline": details, "reason_file": str(reason_file)}
         try:
-            command = spec.command(entry["path"], host, port, settings, self._model_path)
+            command = spec.command(entry["path"], host, port, launch_settings, self._model_path)
         except BadSettings as exc:
             raise Refused(400, "bad_request", str(exc)) from None
         log = self.logs / f"{sid}.log"
         log.write_bytes(b"")
+        reason_file.unlink(missing_ok=True)
         server = Server(sid, digest, spec.name, host, port, settings, command.speculative, list(command.argv), log)
+        if details is not None:
+            server.pipeline = {"group": details["group"], "rank": details["rank"], "world_size": details["world_size"]}
+            server.reason_file = reason_file
         self.servers[sid] = server
         self.spawn(self._supervise, server, spec)
         return server
@@ -190,6 +252,9 @@ class Workers:
             return
         stderr = tail(server.log)
         first = server.reason if server.state == "failed" and server.reason else f"the worker {how}"
+        told = _told(server.reason_file)
+        if told and not (server.state == "failed" and server.reason):
+            first = f"{told}; the worker {how}"  # the worker's own account of why first
         server.state = "failed"
         server.reason = f"{first}\n--- last lines of its output ({server.log}) ---\n{stderr}" if stderr else first
 

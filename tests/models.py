@@ -4,9 +4,12 @@ kept between runs."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
 from pathlib import Path
 
+from agent.store import Store
 from agent.testmodel import Shape, make_gguf, make_safetensors
 
 
@@ -54,3 +57,48 @@ def smollm2_safetensors(base: Path, dtype: str = "float32") -> Path:
                 raise
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists(), f"incomplete model in {out}"
     return out
+
+
+
+def hold_slices(store: Store, model: Path, spans: list[str]) -> list[str]:
+    """Make `store` hold slices of the safetensors `model` as a fetch leaves them (the manifest of
+    wire.manifest.make_slice, its one file assembled from the model's bytes); their digests, in
+    order. Slices the store holds already are kept."""
+    from wire import manifest as mf
+    from wire.layers import LayerRange
+
+    held = {e["slice"]["layers"]: e["digest"] for e in store.entries() if e["slice"]}
+    if all(LayerRange.parse(s).span in held for s in spans):
+        return [held[LayerRange.parse(s).span] for s in spans]
+    digest, manifest = store.import_model(model, model.name, link=True)
+    out = []
+    for span in spans:
+        sliced = mf.make_slice(manifest, digest, LayerRange.parse(span))
+        blobs = {f["path"]: f["sha256"] for f in sliced["files"] if not f.get("assembled")}
+        for f in sliced["files"]:
+            if not f.get("assembled"):
+                continue
+            part, sha = store.partial / f"{f['header_sha256']}-{os.getpid()}", hashlib.sha256()
+            with open(part, "wb") as fh:
+                for piece in [mf.slice_header(f["tensors"])] + [
+                        _read(store.blob_path(t["source"]["sha256"]), t["source"]["begin"], t["source"]["end"])
+                        for t in f["tensors"]]:
+                    fh.write(piece)
+                    sha.update(piece)
+            os.replace(part, store.blob_path(sha.hexdigest()))
+            blobs[f["path"]] = sha.hexdigest()
+        store.commit(mf.digest_of(sliced), sliced, blobs, f"{model.name}[{span}]")
+        out.append(mf.digest_of(sliced))
+    return out
+
+
+def _read(path: Path, begin: int, end: int) -> bytes:
+    with open(path, "rb") as fh:
+        fh.seek(begin)
+        return fh.read(end - begin)
+
+
+def sliced(model: Path, spans: list[str], base: Path) -> list[Path]:
+    """The directories of slices of `model` held by a store under `base` (made once)."""
+    store = Store(base / f"{model.name}-slices")
+    return [store.model_dir(d) for d in hold_slices(store, model, spans)]

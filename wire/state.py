@@ -95,6 +95,14 @@ class ServerExit(TypedDict):
     signal: int | None
 
 
+class PipelineInfo(TypedDict):
+    """A pipeline stage's place in its group (from the start's wire.plan_details.PipelineDetails)."""
+
+    group: str
+    rank: int
+    world_size: int
+
+
 class ServerEntry(TypedDict):
     id: str  # "CLUSTER@NODE" (wire.ids.server_id) for servers fleet started
     state: str  # "starting", "running", "failed", "stopping" or "stopped"
@@ -108,6 +116,7 @@ class ServerEntry(TypedDict):
     uptime_s: float
     reason: str | None  # why it failed, first line first
     exit: ServerExit | None
+    pipeline: NotRequired[PipelineInfo]  # only for a pipeline stage
 
 
 class AgentState(TypedDict):

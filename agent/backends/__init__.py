@@ -1,16 +1,18 @@
-"""Server backends: one launch spec per engine (llama.cpp for GGUF, PyTorch for safetensors), and
-the registry that picks one by name or by the format a model is stored in."""
+"""Server backends: one launch spec per engine (llama.cpp for GGUF, PyTorch for safetensors, and a
+PyTorch pipeline stage for a slice), and the registry that picks one by name or by the format a
+whole model is stored in."""
 
 from __future__ import annotations
 
 from typing import Mapping
 
 from ..launch import LaunchSpec
-from . import llama_cpp, torch
+from . import llama_cpp, pipeline, torch
 
-BACKENDS: Mapping[str, LaunchSpec] = {spec.name: spec for spec in (llama_cpp.SPEC, torch.SPEC)}
+BACKENDS: Mapping[str, LaunchSpec] = {spec.name: spec for spec in (llama_cpp.SPEC, torch.SPEC, pipeline.SPEC)}
+PIPELINE = pipeline.NAME  # picked by name, for a start that places a slice in a pipeline
 
 
 def for_format(fmt: str, specs: Mapping[str, LaunchSpec] = BACKENDS) -> LaunchSpec | None:
-    """The backend of `specs` serving models stored in `fmt`, or None when none does."""
-    return next((spec for spec in specs.values() if spec.format == fmt), None)
+    """The backend of `specs` serving whole models stored in `fmt`, or None when none does."""
+    return next((spec for spec in specs.values() if spec.format == fmt and spec.name != PIPELINE), None)

@@ -1,0 +1,149 @@
+"""A stage's rows: the KV caches of the batches it holds, changed by the same operations in the
+same order on every stage (so a row is at the same index of the same batch everywhere), one step
+of the stage's layers over a batch, and on the last stage each row's sampling.
+
+Operations, as they travel in a step's header (rows are request ids, batches small integers):
+  ["keep", b, [rows]]          batch b keeps these rows, in this order (none: b is gone)
+  ["carve", src, dst, [rows]]  batch dst is a copy of these rows of src (src is unchanged)
+  ["join", dst, [b1, b2, ..]]  batch dst holds the rows of b1, b2, ... in order (they are gone)
+What runs after them:
+  {"k": "p", "b": b, "rows": [..], "len": [..], "s": [[temperature, top_p, seed], ..]}  prefill
+  {"k": "d", "b": b}  one decode step
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .torch_layers import HEADROOM, Rows, Stack
+
+
+class Ledger:
+    """The batches of one stage: their caches and, in order, the request each row belongs to."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.caches: dict[int, Rows] = {}
+        self.members: dict[int, list[int]] = {}
+
+    def apply(self, ops: list[list[Any]]) -> None:
+        for op in ops:
+            kind = op[0]
+            if kind == "keep":
+                self._keep(int(op[1]), [int(r) for r in op[2]])
+            elif kind == "carve":
+                src, dst, rows = int(op[1]), int(op[2]), [int(r) for r in op[3]]
+                where = self.members[src]
+                self.caches[dst] = self.caches[src].take([where.index(r) for r in rows])
+                self.members[dst] = rows
+            elif kind == "join":
+                dst, parts = int(op[1]), [int(p) for p in op[2]]
+                caches = [self.caches.pop(p) for p in parts]
+                members = [r for p in parts for r in self.members.pop(p)]
+                self.caches[dst] = Rows.cat(caches) if len(caches) > 1 else caches[0]
+                self.members[dst] = members
+            else:
+                raise ValueError(f"unknown row operation {kind!r}")
+
+    def _keep(self, b: int, rows: list[int]) -> None:
+        if not rows:
+            self.caches.pop(b, None)  # the rows' keys and values are freed here
+            self.members.pop(b, None)
+            return
+        where = self.members[b]
+        if rows != where:
+            self.caches[b] = self.caches[b].take([where.index(r) for r in rows])
+            self.members[b] = rows
+
+    def rows(self) -> int:
+        return sum(len(m) for m in self.members.values())
+
+    def present(self) -> set[int]:
+        return {r for m in self.members.values() for r in m}
+
+    def embed_prompts(self, prompts: list[list[int]]) -> torch.Tensor:
+        """The first stage's input for a prefill: the prompts left-padded to the longest, embedded."""
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.stack.device)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long, device=self.stack.device)
+        return self.stack.embed(ids)
+
+    def embed_tokens(self, tokens: list[int]) -> torch.Tensor:
+        return self.stack.embed(torch.tensor(tokens, dtype=torch.long, device=self.stack.device).unsqueeze(1))
+
+    def prefill(self, b: int, rows: list[int], lengths: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        """New batch b of these rows, their prompts' hidden states [rows, longest, hidden] in (as
+        Stack.prefill_many pads and masks them, so a row's arithmetic is the whole model's)."""
+        stack, device = self.stack, self.stack.device
+        n, width = len(lengths), max(lengths)
+        cache = stack.rows(n, width + HEADROOM)
+        mask: torch.Tensor | None = None
+        if n == 1:  # no padding: plain causal attention, as the whole model prefills one prompt
+            positions = torch.arange(width, device=device).unsqueeze(0)
+            cache.mask[:, :width] = True
+        else:
+            positions = torch.zeros(n, width, dtype=torch.long, device=device)
+            for r, length in enumerate(lengths):
+                positions[r, width - length:] = torch.arange(length, device=device)
+                cache.mask[r, width - length:width] = True
+            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+            # A padding query attends to itself only: a row with nothing to attend to would be NaN.
+            mask = (causal & cache.mask[:, None, None, :width]) | torch.eye(width, dtype=torch.bool, device=device)
+        out = stack.run(hidden, cache, positions, mask)
+        cache.length = width
+        cache.positions = torch.tensor(lengths, dtype=torch.long, device=device)
+        self.caches[b], self.members[b] = cache, list(rows)
+        return out
+
+    def decode(self, b: int, hidden: torch.Tensor) -> torch.Tensor:
+        """One step of batch b: each row's newest token's hidden state [rows, 1, hidden] in."""
+        cache = self.caches[b]
+        cache.reserve(1)
+        cache.mask[:, cache.length] = True
+        mask = cache.mask[:, None, None, :cache.length + 1]
+        out = self.stack.run(hidden, cache, cache.positions.unsqueeze(1), mask)
+        cache.length += 1
+        cache.positions += 1
+        return out
+
+    def run(self, run: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
+        if run["k"] == "p":
+            return self.prefill(int(run["b"]), run["rows"], run["len"], hidden)
+        return self.decode(int(run["b"]), hidden)
+
+
+class Sampler:
+    """The last stage's per-request sampling: greedy, or top-p with the request's own generator
+    seeded once (so that a seed gives the same tokens in any batch, as in the whole-model engine)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.params: dict[int, tuple[float, float, torch.Generator]] = {}
+
+    def join(self, rows: list[int], sampling: list[list[Any]]) -> None:
+        for rid, (temperature, top_p, seed) in zip(rows, sampling):
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(int(seed))
+            self.params[rid] = (float(temperature), float(top_p), generator)
+
+    def forget(self, present: set[int]) -> None:
+        for rid in [r for r in self.params if r not in present]:
+            del self.params[rid]
+
+    def pick(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
+        picked: list[int] = logits.argmax(dim=-1).tolist()
+        for i, rid in enumerate(rows):
+            temperature, top_p, generator = self.params[rid]
+            if temperature <= 0:
+                continue
+            probs = torch.softmax(logits[i] / temperature, dim=-1)
+            if top_p < 1.0:
+                ordered, index = torch.sort(probs, descending=True)
+                beyond = torch.cumsum(ordered, dim=-1) - ordered >= top_p  # keep the first token always
+                ordered[beyond] = 0.0
+                probs = torch.zeros_like(probs).scatter_(0, index, ordered)
+            picked[i] = int(torch.multinomial(probs, 1, generator=generator))
+        return picked
