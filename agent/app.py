@@ -3,6 +3,8 @@ agent/routes.py behind the cluster-secret check of agent/auth.py."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -74,6 +76,22 @@ class AgentContext:
             "fetches": [j.to_json() for j in self.fetcher.active()],
             "servers": [s.to_json() for s in self.workers.servers.values()],
         }
+
+
+STEP = 256 << 20  # free disk and GPU memory, as the state's generation counts them
+
+
+def generation(state: AgentState) -> str:
+    """A name for what the control plane acts on in `state`, so that GET /v1/state can answer 304
+    to a control plane that already holds it (its heartbeat then neither parses nor checks it):
+    the state less its clock, each server's uptime and the host's available memory, with free disk
+    and GPU memory counted in 256 MiB steps (a smaller change is not news)."""
+    inv = state["inventory"]
+    core = {**state, "observed_at": None, "servers": [{**s, "uptime_s": None} for s in state["servers"]],
+            "inventory": {**inv, "memory": {**inv["memory"], "available_bytes": None},
+                          "disk": {**inv["disk"], "free_bytes": inv["disk"]["free_bytes"] // STEP},
+                          "gpus": [{**g, "memory_free_bytes": g["memory_free_bytes"] // STEP} for g in inv["gpus"]]}}
+    return hashlib.sha256(json.dumps(core, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def assemble(home: Path, identity: Identity, secret: bytes, version: str, gpu_probe: inventory.GpuProbe,

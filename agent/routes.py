@@ -163,8 +163,16 @@ class Node:
     async def healthz(self, _: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
-    async def state(self, _: Request) -> JSONResponse:
-        return JSONResponse(self.ctx.state())
+    async def state(self, request: Request) -> Response:
+        from .app import generation  # app imports this module
+
+        state = self.ctx.state()
+        tag = generation(state)
+        etag = f'"{tag}"'
+        # The control plane asks again with the generation it holds: unchanged, it gets no body.
+        if request.headers.get("if-none-match") == etag:
+            return Response(status_code=304, headers={"etag": etag})
+        return JSONResponse({**state, "generation": tag}, headers={"etag": etag})
 
     async def metrics(self, _: Request) -> Response:
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")

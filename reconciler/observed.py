@@ -54,6 +54,9 @@ class ObservedNode:
     accelerator: str = ""
     home: str = ""  # the agent's home directory (the disk it reports on)
     state: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # as the agent sent it
+    # The agent's name for this state: asked again with it, an agent whose state has not changed
+    # answers 304 and this very node is kept (observe.py), with no parsing or checking.
+    generation: str | None = field(default=None, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -115,7 +118,7 @@ def node_from_state(name: str, state: dict[str, Any]) -> ObservedNode:
         fetching=frozenset(f["digest"] for f in state.get("fetches", [])), servers=servers,
         agent_version=state.get("agent_version", ""),
         accelerator=state.get("variant", {}).get("accelerator", ""), home=inv.get("disk", {}).get("path", ""),
-        state=state)
+        state=state, generation=state.get("generation"))
 
 
 def node_from_entry(name: str, entry: dict[str, Any]) -> ObservedNode:

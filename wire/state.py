@@ -28,6 +28,7 @@ class Disk(TypedDict):
     path: str  # the agent's home: the disk the figures are about
     total_bytes: int
     free_bytes: int
+    reserve_bytes: NotRequired[int]  # kept free: a fetch that would eat into it is refused (disk_full)
 
 
 class GpuJson(TypedDict):
@@ -62,6 +63,15 @@ class SliceInfo(TypedDict):
     total_layers: int
 
 
+class Integrity(TypedDict):
+    """What the agent's last verification of a held model found (agent/verify.py)."""
+
+    state: str  # "unverified", "verified" or "corrupt" (no server starts on it: model_corrupt)
+    checked_at: str | None  # ISO 8601, UTC
+    file: str | None  # the first file found bad, as the manifest names it
+    reason: str | None  # what was wrong with it (and how many other files were bad)
+
+
 class WeightsEntry(TypedDict):
     """A model held, whole or a slice."""
 
@@ -73,6 +83,7 @@ class WeightsEntry(TypedDict):
     slice: SliceInfo | None
     path: str
     simulated: NotRequired[bool]  # claimed by a simulated agent (fleet-agent simulate): no bytes behind it
+    integrity: NotRequired[Integrity]  # sent by agents that verify what they hold
 
 
 class FetchJob(TypedDict):
@@ -87,6 +98,7 @@ class FetchJob(TypedDict):
     bytes_fetched: int  # crossed the wire in this job
     rate_bytes_per_s: int
     error: str | None
+    code: NotRequired[str | None]  # a failure's stable code (disk_full, fetch_failed, ...)
     resumable: NotRequired[bool]  # failed keeping what arrived: asking again resumes
 
 
