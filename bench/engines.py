@@ -18,11 +18,12 @@ Each stream asks for a story (greedy, --tokens new tokens, counted from the usag
 chunks) and sends its requests back to back. Three runs per engine: 1 stream (--requests in a
 row); n at once (n requests arriving together, as one padded batch would take them); n streams
 (--requests each, stream i starting i/n of a request's time after the first, as users arrive).
-TTFT ratios are against the single stream's median; "cut" counts answers that ended short of
-their tokens without finish_reason stop (a silent cut).
+TTFT ratios are against the single stream's median in the same round; "cut" counts answers that
+ended short of their tokens without finish_reason stop (a silent cut). Each round runs the three
+one after the other and the last line per engine is the median over rounds (--rounds).
 
     .venv/bin/python bench/engines.py [--engines torch,llama_cpp_ni] [--threads 1] [--tokens 32]
-        [--requests 3] [--streams 8] [--procs 2]
+        [--requests 3] [--streams 8] [--procs 2] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -98,20 +99,23 @@ def ask(client: httpx.Client, url: str, topic: str, tokens: int) -> Result:
             "max_tokens": tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, chunks, usage, finish = 0.0, 0, None, None
-    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]["completion_tokens"]
-            for c in event.get("choices") or []:
-                if c.get("delta", {}).get("content"):
-                    chunks += 1
-                    ttft = ttft or time.perf_counter() - t0
-                finish = c.get("finish_reason") or finish
-    return Result(ttft, usage if usage is not None else chunks, finish)
+    try:
+        with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    usage = event["usage"]["completion_tokens"]
+                for c in event.get("choices") or []:
+                    if c.get("delta", {}).get("content"):
+                        chunks += 1
+                        ttft = ttft or time.perf_counter() - t0
+                    finish = c.get("finish_reason") or finish
+    except httpx.HTTPError:  # a stream the engine broke off counts as cut, with what it delivered
+        finish = "broken"
+    return Result(ttft or time.perf_counter() - t0, usage if usage is not None else chunks, finish)
 
 
 def streams(urls: list[str], n: int, requests: int, tokens: int, stagger: float = 0.0) -> tuple[float, list[list[Result]]]:
@@ -137,23 +141,31 @@ def streams(urls: list[str], n: int, requests: int, tokens: int, stagger: float 
 
 
 def measure(name: str, engine: Engine, args: argparse.Namespace) -> None:
+    """Rounds of (1 stream, n at once, n staggered streams), one after the other, so that a change
+    in the machine's load hits all three alike; ratios are taken within a round, then the median."""
     with httpx.Client(timeout=600) as client:
         ask(client, engine.urls[0], "warming up", 4)
-    n = args.streams
-    wall1, one = streams(engine.urls, 1, args.requests, args.tokens)
-    tps1 = sum(r.tokens for r in one[0]) / wall1
-    ttft1 = statistics.median(r.ttft for r in one[0])
-    wallb, burst = streams(engine.urls, n, 1, args.tokens)
-    tpsb = sum(r.tokens for s in burst for r in s) / wallb
-    ttftb = max(s[0].ttft for s in burst)
-    # Spread arrivals: stream i joins i/n of a request's time after stream 0, as users do.
-    walls, steady = streams(engine.urls, n, args.requests, args.tokens, stagger=wall1 / args.requests / n)
-    tpss = sum(r.tokens for s in steady for r in s) / walls
-    worst = max(statistics.median(r.ttft for r in s) for s in steady)
-    cut = sum(1 for runs in (burst, steady) for s in runs for r in s if r.tokens < args.tokens and r.finish != "stop")
-    print(f"{name:<14} 1 stream: {tps1:5.1f} tok/s, TTFT {ttft1 * 1000:4.0f} ms | {n} at once: {tpsb:5.1f} tok/s "
-          f"({tpsb / tps1:4.2f}x), worst TTFT {ttftb / ttft1:4.1f}x | {n} streams: {tpss:5.1f} tok/s "
-          f"({tpss / tps1:4.2f}x), worst stream's median TTFT {worst / ttft1:4.1f}x | cut {cut}", flush=True)
+    n, rows = args.streams, []
+    for _ in range(args.rounds):
+        wall1, one = streams(engine.urls, 1, args.requests, args.tokens)
+        tps1 = sum(r.tokens for r in one[0]) / wall1
+        ttft1 = statistics.median(r.ttft for r in one[0])
+        wallb, burst = streams(engine.urls, n, 1, args.tokens)
+        tpsb = sum(r.tokens for s in burst for r in s) / wallb
+        # Spread arrivals: stream i joins i/n of a request's time after stream 0, as users do.
+        walls, steady = streams(engine.urls, n, args.requests, args.tokens, stagger=wall1 / args.requests / n)
+        tpss = sum(r.tokens for s in steady for r in s) / walls
+        cut = sum(1 for runs in (burst, steady) for s in runs for r in s
+                  if r.tokens < args.tokens and r.finish != "stop")
+        rows.append((tps1, ttft1, tpsb, tpsb / tps1, max(s[0].ttft for s in burst) / ttft1, tpss, tpss / tps1,
+                     max(statistics.median(r.ttft for r in s) for s in steady) / ttft1,
+                     max(r.ttft for s in steady for r in s) / ttft1, cut))
+    for label, row in [*((f"  round {i + 1}", r) for i, r in enumerate(rows)),
+                       (name, tuple(statistics.median(c) for c in zip(*rows)))]:
+        tps1, ttft1, tpsb, rb, tb, tpss, rs, ts, tw, cut = row
+        print(f"{label:<16} 1 stream {tps1:5.1f} tok/s, TTFT {ttft1 * 1000:4.0f} ms | {n} at once {tpsb:5.1f} tok/s "
+              f"= {rb:4.2f}x, worst TTFT {tb:4.1f}x | {n} streams {tpss:5.1f} tok/s = {rs:4.2f}x, TTFT worst "
+              f"stream median {ts:4.1f}x, worst request {tw:4.1f}x | cut {cut:g}", flush=True)
 
 
 def llama_batched(args: argparse.Namespace) -> None:
@@ -224,6 +236,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=3, help="requests per stream, back to back")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--procs", type=int, default=2, help="processes for llama_cpp_xN")
     args = ap.parse_args()

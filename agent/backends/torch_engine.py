@@ -136,6 +136,8 @@ class Engine:
         self.steps = 0  # for /health: decode steps run, the most rows in one, rows set aside for a slow reader
         self.widest = 0
         self.set_aside = 0
+        self.prefill_s = 0.0  # seconds in prefill and in decode steps: where the engine's time goes
+        self.decode_s = 0.0
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -144,9 +146,10 @@ class Engine:
     def kick(self) -> None:
         self._kick.set()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "widest_step": self.widest, "set_aside": self.set_aside,
-                "rows": len(self._active) + len(self._aside), "waiting": len(self._waiting) + self._queue.qsize()}
+                "rows": len(self._active) + len(self._aside), "waiting": len(self._waiting) + self._queue.qsize(),
+                "prefill_s": round(self.prefill_s, 3), "decode_s": round(self.decode_s, 3)}
 
     def submit(self, job: Job) -> None:
         self._queue.put(job)
@@ -210,8 +213,10 @@ class Engine:
             jobs.append(job)
         if not jobs:
             return
+        t0 = time.perf_counter()
         with torch.inference_mode():
             rows, logits = self.stack.prefill_many([j.prompt for j in jobs])
+        self.prefill_s += time.perf_counter() - t0
         for i, (job, tok) in enumerate(zip(jobs, self._pick(logits, jobs))):
             if not self._emit(job, tok):
                 self._aside[job] = rows if len(jobs) == 1 else rows.take([i])
@@ -248,8 +253,10 @@ class Engine:
 
     def _step(self) -> None:
         assert self._rows is not None
+        t0 = time.perf_counter()
         with torch.inference_mode():
             logits = self.stack.decode(self._rows, [j.next_token for j in self._active])
+        self.decode_s += time.perf_counter() - t0
         self.steps += 1
         self.widest = max(self.widest, len(self._active))
         done = [self._emit(job, tok) for job, tok in zip(self._active, self._pick(logits, self._active))]

@@ -16,7 +16,7 @@ import json
 import sys
 import time
 import traceback
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Mapping, Protocol
 
 import trio
 from starlette.applications import Starlette
@@ -41,7 +41,7 @@ class Scheduler(Protocol):
 
     def kick(self) -> None: ...
 
-    def stats(self) -> dict[str, int]: ...
+    def stats(self) -> Mapping[str, float]: ...
 
 
 class Served:
@@ -89,8 +89,9 @@ class Served:
                 draft_model = draft_model.to(self.device).eval()
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=None)
             solo = speculative(self.model, self.device, pad, draft_model, None if draft else prompt_lookup)
-        self.engine = Engine(stack, eos, max_batch=max_batch, solo=solo, threads=threads)
-        self.engine.start()
+        engine = Engine(stack, eos, max_batch=max_batch, solo=solo, threads=threads)
+        engine.start()
+        self.engine = engine
 
     def tokens(self, ask: wire.Ask) -> list[int]:
         if not ask.chat:

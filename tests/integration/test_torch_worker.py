@@ -53,8 +53,8 @@ class Worker:
             self.proc.kill()
             self.proc.wait()
 
-    def stats(self) -> dict[str, int]:
-        out: dict[str, int] = httpx.get(self.url + "/health", timeout=5).json()["engine"]
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = httpx.get(self.url + "/health", timeout=5).json()["engine"]
         return out
 
     def client(self) -> openai.OpenAI:
