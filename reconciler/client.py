@@ -59,19 +59,24 @@ class AgentClient:
         await self.aclose()
 
     async def request(self, node: NodeSpec, method: str, path: str, *, raw: bool = False, ok404: bool = False,
-                      json_body: Any = None) -> Any:
+                      json_body: Any = None, unless: str | None = None) -> Any:
+        """`unless`: a generation the caller holds (If-None-Match); None when the agent says unchanged (304)."""
         body = json.dumps(json_body).encode() if json_body is not None else None
         try:
             with trio.fail_after(self._timeout):
-                status, content = await self._transport.exchange(AgentRequest(method, node, path, body, self._secret))
+                status, content = await self._transport.exchange(AgentRequest(method, node, path, body, self._secret,
+                                                                              unless))
         except trio.TooSlowError:
             raise NodeUnreachable(node, f"timed out (no answer within {self._timeout:g}s)") from None
         except (OSError, trio.BrokenResourceError) as exc:
             raise NodeUnreachable(node, cause(exc)) from None
         return _answer(node, status, content, raw=raw, ok404=ok404, request=(method, path))
 
-    async def state(self, node: NodeSpec) -> dict[str, Any]:
-        data = await self.request(node, "GET", "/v1/state")
+    async def state(self, node: NodeSpec, unless: str | None = None) -> dict[str, Any] | None:
+        """The node's state, checked against the schema; None when it is still generation `unless`."""
+        data = await self.request(node, "GET", "/v1/state", unless=unless)
+        if data is None:
+            return None
         try:
             _state_check()(data)
             return data  # type: ignore[no-any-return]
@@ -115,7 +120,7 @@ def _answer(node: NodeSpec, status: int, content: bytes, *, raw: bool = False, o
             request: tuple[str, str] = ("GET", "/v1/state")) -> Any:
     """The answer's value, or the error it means. An agent's errors are JSON ({"error": {"message"}});
     a 4xx without that, or a success that is not JSON, comes from something that is not an agent."""
-    if status == 404 and ok404:
+    if status == 304 or (status == 404 and ok404):
         return None
     if status >= 400:
         message = _error_message(content)

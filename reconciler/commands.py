@@ -19,6 +19,7 @@ from rich.markup import escape
 from . import config
 from .client import AgentClient
 from .diagnostics import error
+from .drain import Drainer
 from .execute import Executor, Result
 from .exitcodes import Exit
 from .model import Desired
@@ -136,7 +137,7 @@ def cmd_apply(args: argparse.Namespace, path: str) -> int:
             console(stderr=True).print(f"[yellow]warning:[/] took over the lock of a process that is gone: "
                                        f"{taken.describe()}")
         try:
-            return _apply_locked(loaded, args, ledger)
+            return _apply_locked(loaded, args, ledger, Drainer(store.drains, lock.id))
         finally:
             ledger.release(lock.id)
 
@@ -171,7 +172,8 @@ def _confirm() -> str | None:
     return None
 
 
-def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, ledger: ApplyLedger) -> int:
+def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, ledger: ApplyLedger,
+                  drains: Drainer | None = None) -> int:
     err = console(stderr=True)
     people = console(stderr=args.json)  # under --json, stdout carries the document alone
     p = _saved_plan(loaded, args) if args.planfile else _plan(loaded, args)
@@ -190,7 +192,7 @@ def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, ledger: Apply
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     desired = loaded.desired
     assert desired is not None
-    results = trio.run(_execute, desired, p, args, _secret())
+    results = trio.run(_execute, desired, p, args, _secret(), drains)
     ledger.record_apply(started, p.config_digest, p.summary(), [asdict(r) for r in results])
     for r in results:
         people.print(result_line(r))
@@ -213,7 +215,8 @@ def _applied(args: argparse.Namespace, p: Plan, outcome: str, code: Exit, messag
     return code
 
 
-async def _execute(desired: Desired, p: Plan, args: argparse.Namespace, secret: str) -> list[Result]:
+async def _execute(desired: Desired, p: Plan, args: argparse.Namespace, secret: str,
+                   drains: Drainer | None = None) -> list[Result]:
     out = console(stderr=True)
 
     def progress(event: str, data: dict[str, Any]) -> None:
@@ -222,9 +225,12 @@ async def _execute(desired: Desired, p: Plan, args: argparse.Namespace, secret: 
         elif event == "retry":
             out.print(f"  ↻ {data['change'].action.value} {data['change'].address}: retry {data['attempt']} "
                       f"after {data['error']}", markup=False)
+        elif event == "drain":
+            out.print(f"  ⇄ {data['message']}", markup=False)
 
     async with AgentClient(secret, timeout=args.timeout) as client:
-        return await Executor(desired, client, parallelism=args.parallelism, progress=progress).run(p)
+        return await Executor(desired, client, parallelism=args.parallelism, progress=progress,
+                              drains=drains).run(p)
 
 
 def cmd_serve(args: argparse.Namespace, path: str) -> int:
@@ -241,7 +247,7 @@ def cmd_serve(args: argparse.Namespace, path: str) -> int:
     store = open_store(args.state_dir)
     try:
         trio.run(lambda: serve(desired, secret, store.serve, interval=args.interval, misses=args.misses,
-                               timeout=args.timeout))
+                               timeout=args.timeout, drains=store.drains))
     except ServeRefused as exc:
         raise Failure(Exit.INVALID_CONFIG, "serve_refused", str(exc)) from None
     except OSError as exc:

@@ -2,7 +2,8 @@
 lets the rest finish. The stages of a pipeline group are one unit (one slot): stopped, started
 together and waited for as a whole, failing together. An agent error tagged retryable is retried
 a bounded number of times with backoff, and each result says how many retries it took. Progress
-goes to an injected hook; time to an injected clock and sleep."""
+goes to an injected hook; time to an injected clock and sleep. A member of a cluster of several is
+drained around its replace (reconciler/drain.py), so that the others serve meanwhile."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any, Awaitable, Callable, Protocol, TypeVar
 import trio
 
 from .agent_errors import AgentError, AgentHTTPError
+from .drain import Drainer
 from .model import Desired, NodeSpec
 from .pipeline_plan import group_of
 from .plan import Action, Change, Plan
@@ -73,7 +75,7 @@ class Executor:
     def __init__(self, desired: Desired, client: AgentCalls, *, parallelism: int = 10,
                  progress: ProgressHook | None = None, poll_s: float = POLL_S,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = trio.sleep,
-                 retries: int = RETRIES, backoff_s: float = BACKOFF_S) -> None:
+                 retries: int = RETRIES, backoff_s: float = BACKOFF_S, drains: Drainer | None = None) -> None:
         self.d = desired
         self.client = client
         self.limiter = trio.CapacityLimiter(max(1, parallelism))
@@ -83,6 +85,7 @@ class Executor:
         self.sleep = sleep
         self.retries = retries
         self.backoff_s = backoff_s
+        self.drains = drains  # drains a member of a cluster of several before its replace (drain.py)
 
     async def run(self, plan: Plan) -> list[Result]:
         done: dict[str, trio.Event] = {c.address: trio.Event() for c in plan.changes}
@@ -196,7 +199,7 @@ class Executor:
 
     async def apply(self, c: Change, tally: _Tally) -> str:
         node = self.d.nodes[c.node]
-        if c.action is Action.REPLICATE:
+        if c.action is Action.REPLICATE or "peer" in c.details:  # a replace of a corrupt replica: fetched again
             return await self.replicate(c, tally)
         if c.action is Action.STOP:
             await self.call(tally, lambda: self.client.stop_server(node, c.details["server_id"]))
@@ -205,6 +208,13 @@ class Executor:
             await self.call(tally, lambda: self.client.delete_weights(node, c.details["digest"]))
             return f"deleted {c.details['digest']} from {c.node}"
         if c.action is Action.REPLACE:
+            cluster = self.d.clusters.get(c.details["cluster"])
+            if self.drains is not None and cluster is not None and len(cluster.members) > 1:
+                # The others serve meanwhile: the planner chains a cluster's replaces, one at a time.
+                async with self.drains.around(c, lambda message: self.progress("drain", {"change": c,
+                                                                                        "message": message})):
+                    await self.call(tally, lambda: self.client.stop_server(node, c.details["server_id"]))
+                    return await self.start(c, tally)
             await self.call(tally, lambda: self.client.stop_server(node, c.details["server_id"]))
         return await self.start(c, tally)
 
@@ -241,7 +251,7 @@ class Executor:
             if state["state"] == "failed":
                 message = f"{c.node} could not fetch {c.details['digest']} from {c.details['peer']}: {state['error']}"
                 raise (_Resumable("fetch_failed", message) if state.get("resumable")
-                       else ActionFailed("fetch_failed", message))
+                       else ActionFailed(state.get("code") or "fetch_failed", message))
             done = state.get("bytes_done", 0)
             self.progress("progress", {"change": c, "done": done, "total": state.get("bytes_total", 0)})
             return False, done

@@ -1,11 +1,13 @@
 """Ask every agent for its state, concurrently and bounded, each with its own timeout; then fetch
-the full manifests that slices are computed from. The result is typed (reconciler/observed.py)."""
+the full manifests that slices are computed from. The result is typed (reconciler/observed.py).
+The heartbeat's observer asks each agent for news only: an agent whose state is the generation
+held answers 304 and the node held is kept, and manifests (content-addressed) are fetched once."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Awaitable, Callable
+from typing import Any, Collection, Mapping, Protocol
 
 import trio
 
@@ -16,21 +18,33 @@ from .observed import Observed, ObservedNode, node_from_state
 DEFAULT_CONCURRENCY = 64
 DEFAULT_TIMEOUT_S = 10.0
 
-Observer = Callable[[float], Awaitable[Observed]]  # a timeout per node → what every node reported
+
+class Observer(Protocol):
+    """What every node reported (or, with `only`, those nodes), each allowed `timeout` seconds."""
+
+    async def __call__(self, timeout: float, only: Collection[str] | None = None) -> Observed: ...
 
 
 async def observe(desired: Desired, client: AgentClient, *, concurrency: int = DEFAULT_CONCURRENCY,
-                  timeout: float = DEFAULT_TIMEOUT_S) -> Observed:
+                  timeout: float = DEFAULT_TIMEOUT_S, held: Mapping[str, ObservedNode] | None = None,
+                  manifests: dict[str, dict[str, Any]] | None = None,
+                  only: Collection[str] | None = None) -> Observed:
+    """`held`: nodes from an earlier observation, asked for news only (kept as they are when their
+    agent says unchanged); `manifests`: full manifests already fetched, by digest, added to."""
     # Bounded: thousands of tasks queued at once is far slower than a limiter (STYLE.md, habit 6).
     limiter = trio.CapacityLimiter(concurrency)
     nodes: dict[str, ObservedNode] = {}
+    known = held or {}
 
     async def one(name: str) -> None:
         spec = desired.nodes[name]
+        before = known.get(name)
+        generation = before.generation if before is not None and before.ok else None
         async with limiter:
             try:
                 with trio.fail_after(timeout):
-                    nodes[name] = node_from_state(name, await client.state(spec))
+                    state = await client.state(spec, unless=generation)
+                nodes[name] = before if state is None and before is not None else node_from_state(name, state or {})
             except trio.TooSlowError:
                 where = f"{spec.address}:{spec.agent_port}"
                 nodes[name] = ObservedNode(name, "node_unreachable",
@@ -39,13 +53,14 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
                 nodes[name] = ObservedNode(name, exc.code, exc.message)
 
     async with trio.open_nursery() as nursery:
-        for name in desired.nodes:
+        for name in desired.nodes if only is None else [n for n in desired.nodes if n in only]:
             nursery.start_soon(one, name)
 
-    manifests: dict[str, Any] = {}
-    sliced = {r.model for r in desired.replicas if r.layers is not None}
-    for model_name in sorted(sliced):
-        m = desired.models[model_name]
+    fetched = {} if manifests is None else manifests
+    sliced = sorted({desired.models[r.model] for r in desired.replicas if r.layers is not None}, key=lambda m: m.name)
+    for m in sliced:
+        if m.digest in fetched:
+            continue
         holders = [n for n in [m.source, *desired.nodes] if n in nodes and m.digest in nodes[n].weights]
         for holder in holders[:1]:
             try:
@@ -54,12 +69,26 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
             except (AgentError, trio.TooSlowError):
                 continue
             if "sha256:" + hashlib.sha256(body).hexdigest() == m.digest:
-                manifests[m.digest] = json.loads(body)
-    return Observed(dict(sorted(nodes.items())), manifests)
+                fetched[m.digest] = json.loads(body)
+    return Observed(dict(sorted(nodes.items())), {m.digest: fetched[m.digest] for m in sliced if m.digest in fetched})
+
+
+class HeartbeatObserver:
+    """observe() for this fleet through this client, as the heartbeat calls it: it keeps the last
+    node each agent reported and the manifests fetched, so that a quiet beat costs a 304 per node."""
+
+    def __init__(self, desired: Desired, client: AgentClient, *, concurrency: int = DEFAULT_CONCURRENCY) -> None:
+        self.d, self.client, self.concurrency = desired, client, concurrency
+        self.held: dict[str, ObservedNode] = {}
+        self.manifests: dict[str, dict[str, Any]] = {}
+
+    async def __call__(self, timeout: float, only: Collection[str] | None = None) -> Observed:
+        seen = await observe(self.d, self.client, concurrency=self.concurrency, timeout=timeout, held=self.held,
+                             manifests=self.manifests, only=only)
+        # An unanswered node keeps its last answer here: when it comes back it may answer 304.
+        self.held.update((name, node) for name, node in seen.nodes.items() if node.ok)
+        return seen
 
 
 def observer(desired: Desired, client: AgentClient, *, concurrency: int = DEFAULT_CONCURRENCY) -> Observer:
-    """observe() for this fleet through this client, as the heartbeat calls it."""
-    async def call(timeout: float) -> Observed:
-        return await observe(desired, client, concurrency=concurrency, timeout=timeout)
-    return call
+    return HeartbeatObserver(desired, client, concurrency=concurrency)

@@ -35,6 +35,12 @@ CREATE TABLE IF NOT EXISTS alerts (
   id INTEGER PRIMARY KEY AUTOINCREMENT, node TEXT NOT NULL, kind TEXT NOT NULL, cause TEXT NOT NULL,
   raised_at TEXT NOT NULL, cleared_at TEXT
 );
+CREATE TABLE IF NOT EXISTS drains (
+  server_id TEXT PRIMARY KEY, node TEXT NOT NULL, cluster TEXT NOT NULL, lock_id TEXT NOT NULL,
+  phase TEXT NOT NULL, grace_s REAL NOT NULL, asked_at TEXT NOT NULL,
+  seen TEXT, in_flight INTEGER, updated TEXT
+);
+CREATE INDEX IF NOT EXISTS open_alerts ON alerts (node, kind) WHERE cleared_at IS NULL;
 CREATE TABLE IF NOT EXISTS applies (
   id INTEGER PRIMARY KEY AUTOINCREMENT, started TEXT NOT NULL, finished TEXT,
   config_digest TEXT, summary TEXT, results TEXT
@@ -86,6 +92,7 @@ class StateStore:
         self.db.executescript(SCHEMA)
         self.applies = ApplyLedger(self.db)
         self.serve = ServeRecord(self.db)
+        self.drains = DrainRows(self.db)
 
     def close(self) -> None:
         self.db.close()
@@ -187,6 +194,25 @@ class ServeRecord:
         keys = ("id", "cluster", "node", "model", "port", "state", "reason", "updated")
         return [dict(zip(keys, r)) for r in rows]
 
+    def touch_online(self, when: str) -> None:
+        """Every node online was seen now (the heartbeat writes a node's row only when it changed)."""
+        self.db.execute("UPDATE nodes SET last_seen=?, checked=? WHERE status='online'", (when, when))
+
+    def touch_rows(self, when: str) -> None:
+        self.db.execute("UPDATE server_rows SET updated=?", (when,))
+
+    def open_alert_keys(self) -> set[tuple[str, str]]:
+        return {(r[0], r[1]) for r in self.db.execute("SELECT node, kind FROM alerts WHERE cleared_at IS NULL")}
+
+    def set_alert(self, node: str, kind: str, cause: str, when: str) -> bool:
+        """Raise the alert, or bring an open one's cause up to date; True when it was raised now."""
+        if self.open_alert(node, kind) is None:
+            self.raise_alert(node, kind, cause, when)
+            return True
+        self.db.execute("UPDATE alerts SET cause=? WHERE node=? AND kind=? AND cleared_at IS NULL AND cause != ?",
+                        (cause, node, kind, cause))
+        return False
+
     def open_alert(self, node: str, kind: str) -> dict[str, Any] | None:
         r = self.db.execute("SELECT id, cause, raised_at FROM alerts WHERE node=? AND kind=? AND cleared_at IS NULL",
                             (node, kind)).fetchone()
@@ -205,3 +231,67 @@ class ServeRecord:
         sql += "" if include_cleared else " WHERE cleared_at IS NULL"
         keys = ("id", "node", "kind", "cause", "raised_at", "cleared_at")
         return [dict(zip(keys, r)) for r in self.db.execute(sql + " ORDER BY id")]
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """A member taken out of routing by an apply (phase `drain`), then handed back (`admit`); what
+    `fleet serve` last said of it (`seen`: draining, drained, admitted) and its requests in flight."""
+
+    server_id: str
+    node: str
+    cluster: str
+    lock_id: str
+    phase: str
+    grace_s: float
+    asked_at: str
+    seen: str | None = None
+    in_flight: int | None = None
+
+
+class DrainRows:
+    """The drains table, the SQLite side of reconciler/drain.py's DrainBoard: `fleet apply` writes a
+    row, `fleet serve` sees it at once by watching PRAGMA data_version (which moves on every commit
+    of another connection, and costs a few microseconds to read), acts, and answers in the row."""
+
+    COLUMNS = "server_id, node, cluster, lock_id, phase, grace_s, asked_at, seen, in_flight"
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self._version: int | None = None
+
+    def ask(self, drain: Drain) -> None:
+        self.db.execute("INSERT OR REPLACE INTO drains (server_id, node, cluster, lock_id, phase, grace_s, asked_at) "
+                        "VALUES (?,?,?,?,?,?,?)", (drain.server_id, drain.node, drain.cluster, drain.lock_id,
+                                                   drain.phase, drain.grace_s, drain.asked_at))
+
+    def set_phase(self, server_id: str, phase: str) -> None:
+        self.db.execute("UPDATE drains SET phase=?, seen=NULL, in_flight=NULL WHERE server_id=?", (phase, server_id))
+
+    def get(self, server_id: str) -> Drain | None:
+        row = self.db.execute(f"SELECT {self.COLUMNS} FROM drains WHERE server_id=?", (server_id,)).fetchone()
+        return Drain(*row) if row else None
+
+    def remove(self, server_id: str) -> None:
+        self.db.execute("DELETE FROM drains WHERE server_id=?", (server_id,))
+
+    def changed(self) -> bool:
+        """Whether another process committed since the last call (the first call says True)."""
+        version = self.db.execute("PRAGMA data_version").fetchone()[0]
+        changed, self._version = version != self._version, version
+        return bool(changed)
+
+    def active(self) -> list[Drain]:
+        """Drains asked by the apply that holds the lock now: one left by an apply that died (or
+        whose lock was released) is ignored, so that no member stays out of routing for good."""
+        rows = [Drain(*r) for r in self.db.execute(f"SELECT {self.COLUMNS} FROM drains ORDER BY server_id")]
+        if not rows:
+            return []
+        lock = self.db.execute("SELECT id, host, pid FROM lock").fetchone()
+        if lock is None or (lock[1] == socket.gethostname() and not _alive(lock[2])):
+            return []
+        return [d for d in rows if d.lock_id == lock[0]]
+
+    def answer(self, server_id: str, seen: str, in_flight: int, when: str) -> None:
+        self.db.execute("UPDATE drains SET seen=?, in_flight=?, updated=? WHERE server_id=?",
+                        (seen, in_flight, when, server_id))

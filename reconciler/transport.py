@@ -32,6 +32,7 @@ class AgentRequest:
     path: str
     body: bytes | None = None  # JSON
     secret: str = field(default="", repr=False)
+    unless: str | None = None  # If-None-Match: the generation the caller holds (GET /v1/state)
 
     def encode(self) -> bytes:
         """The request as it goes on the wire: one request per connection, closed after the answer."""
@@ -39,6 +40,8 @@ class AgentRequest:
         host = f"[{node.address}]" if ":" in node.address else node.address
         head = (f"{self.method} {self.path} HTTP/1.1\r\nHost: {host}:{node.agent_port}\r\n"
                 f"Authorization: Bearer {self.secret}\r\nConnection: close\r\n")
+        if self.unless is not None:
+            head += f'If-None-Match: "{self.unless}"\r\n'
         if self.body is not None:
             head += f"Content-Type: application/json\r\nContent-Length: {len(self.body)}\r\n"
         return head.encode() + b"\r\n" + (self.body or b"")
@@ -87,7 +90,8 @@ async def read_answer(node: NodeSpec, receive: Receive) -> tuple[int, bytes]:
         if head.chunked:
             # fleet-agent always sends a length; something else answered in its place.
             raise AgentProtocolError(node, "a chunked answer, which fleet-agent never sends (is a proxy in between?)")
-        want = head.content_length()  # None: the body ends with the connection
+        # None: the body ends with the connection. A 204 or 304 has none, whatever its head says.
+        want = 0 if head.status in (204, 304) else head.content_length()
     except HeadTooLarge:
         raise AgentProtocolError(node, "an oversized response head") from None
     except MalformedHead as exc:

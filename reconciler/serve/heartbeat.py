@@ -1,24 +1,31 @@
-"""The heartbeat: poll every agent on an interval, keep node status and server rows, and raise or
-clear `node_offline` alerts after a stated number of missed beats. It never starts or stops
-anything: nodes never act on their own, and neither does the control plane between applies."""
+"""The heartbeat: poll every agent on an interval, keep node status and server rows, raise or clear
+`node_offline` alerts after a stated number of missed beats, and plan against what each beat saw:
+a `drift` alert while the fleet does not match its file. It never starts or stops anything: nodes
+never act on their own, and neither does the control plane between applies."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, Collection
 
 import trio
 
 from wire.ids import server_id
 
 from ..model import Desired
-from ..observe import Observer
 from ..observed import Observed, ObservedNode
+from ..plan import Plan
+from ..planner import plan
 from ..state_store import ServeRecord
 
 DEFAULT_INTERVAL_S = 30.0
 DEFAULT_MISSES = 2  # consecutive missed beats before node_offline: one lost packet is not an outage
+DRIFT = "drift"
+FLEET = "fleet"  # the node column of alerts about the fleet as a whole
+SHOWN = 20  # addresses named in a drift alert; the rest are counted
+
+ObserveFn = Callable[..., Awaitable[Observed]]  # (timeout[, only]) → what those nodes reported
 
 
 def utc_now() -> str:
@@ -27,21 +34,25 @@ def utc_now() -> str:
 
 @dataclass
 class View:
-    """The latest beat, in memory, for the router: which members are up and what to scrub."""
+    """The latest beat, in memory, for the router: which members are up and what to scrub; and
+    which members are drained (server ids), kept by the drain watcher (serve/drains.py)."""
 
     nodes: dict[str, ObservedNode] = field(default_factory=dict)  # node → what it last reported
     online: dict[str, bool] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
     beats: int = 0
+    draining: set[str] = field(default_factory=set)
+    plan: Plan | None = None  # the drift plan of the latest beat
 
 
 class Heartbeat:
     """`observe` asks the fleet (reconciler.observe.observer in production); `store` keeps what it
-    found; `now` stamps the rows."""
+    found; `now` stamps the rows; `on_plan` hears each beat's drift plan (the metrics)."""
 
-    def __init__(self, desired: Desired, observe: Observer, store: ServeRecord, *,
+    def __init__(self, desired: Desired, observe: ObserveFn, store: ServeRecord, *,
                  interval: float = DEFAULT_INTERVAL_S, misses: int = DEFAULT_MISSES, timeout: float = 10.0,
-                 now: Callable[[], str] = utc_now, on_beat: Callable[[float], None] | None = None) -> None:
+                 now: Callable[[], str] = utc_now, on_beat: Callable[[float], None] | None = None,
+                 on_plan: Callable[[Plan], None] | None = None) -> None:
         self.d = desired
         self.observe = observe
         self.store = store
@@ -50,54 +61,127 @@ class Heartbeat:
         self.timeout = min(timeout, interval)
         self.now = now
         self.on_beat = on_beat or (lambda seconds: None)
+        self.on_plan = on_plan or (lambda p: None)
         self.view = View()
+        # What the store holds, so that a beat writes only what changed (at 10,000 nodes a row
+        # per node and member each beat was most of a quiet beat's cost).
+        self._nodes_written: dict[str, object] = {}  # the node written, or (status, cause)
+        self._rows_written: dict[str, tuple[Any, ...]] = {}
+        self._open: set[tuple[str, str]] | None = None
+        self._planned: tuple[ObservedNode, ...] = ()
+        self._asked = 0
+        self._recorded: dict[str, int] = {}  # node → the latest observation recorded for it
+        self._planned_manifests: frozenset[str] = frozenset()
 
     async def beat(self) -> None:
         started = trio.current_time()
+        asked = self._ask()
         observed = await self.observe(self.timeout)
         with self.store.transaction():
-            self.record(observed)
+            self.record(observed, asked=asked)
+            self.drift(observed)
         self.view.beats += 1
         self.on_beat(trio.current_time() - started)
 
-    def record(self, observed: Observed) -> None:
+    async def refresh(self, nodes: Collection[str]) -> None:
+        """Ask these nodes now, between beats (a member coming back from a drain is admitted on
+        what its agent says now, not on what the last beat saw)."""
+        asked = self._ask()
+        observed = await self.observe(self.timeout, nodes)
+        with self.store.transaction():
+            self.record(observed, touch=False, asked=asked)
+
+    def _ask(self) -> int:
+        self._asked += 1
+        return self._asked
+
+    def record(self, observed: Observed, *, touch: bool = True, asked: int | None = None) -> None:
+        """`asked`: when this observation was asked for (_ask). A refresh asked during a beat may
+        land first: the beat's older answer for that node is then not recorded over it."""
         when = self.now()
+        if self._open is None:
+            self._open = self.store.open_alert_keys()
         for name, node in observed.nodes.items():
+            if asked is not None:
+                if asked < self._recorded.get(name, 0):
+                    continue
+                self._recorded[name] = asked
             if node.ok:
                 self.view.nodes[name] = node
                 self.view.misses[name] = 0
                 self.view.online[name] = True
-                self.store.put_node(name, "online", when, state=node.state, error=None)
-                self.store.clear_alert(name, "node_offline", when)
+                if self._nodes_written.get(name) is not node:  # the very node written last time: unchanged
+                    self.store.put_node(name, "online", when, state=node.state, error=None)
+                    self._nodes_written[name] = node
+                self._clear(name, "node_offline", when)
                 continue
             self.view.misses[name] = self.view.misses.get(name, 0) + 1
             offline = self.view.misses[name] >= self.threshold
             self.view.online[name] = not offline and self.view.online.get(name, False)
             cause = f"{node.error_code}: {node.error}"
             self.store.put_node(name, "offline" if offline else "missed", when, state=None, error=cause)
-            if offline:
+            self._nodes_written[name] = ("offline" if offline else "missed", cause)
+            if offline and (name, "node_offline") not in self._open:
                 self.store.raise_alert(name, "node_offline", cause, when)
-        self.reconcile_rows(when)
+                self._open.add((name, "node_offline"))
+        if touch:  # every node that answered was seen now: one statement, not one per node
+            self.store.touch_online(when)
+        self.reconcile_rows(when, touch)
 
-    def reconcile_rows(self, when: str) -> None:
+    def _clear(self, node: str, kind: str, when: str) -> None:
+        assert self._open is not None
+        if (node, kind) in self._open:
+            self.store.clear_alert(node, kind, when)
+            self._open.discard((node, kind))
+
+    def reconcile_rows(self, when: str, touch: bool = True) -> None:
         """One row per cluster member; its state is what the agent reports, or why it cannot say."""
         for c in self.d.clusters.values():
             digest = self.d.models[c.model].digest
             for node in c.members:
                 sid = server_id(c.name, node)
-                row: dict[str, Any] = {"id": sid, "cluster": c.name, "node": node, "model": c.model, "port": c.port}
+                reason: str | None
                 if not self.view.online.get(node, False):
-                    row.update(state="node_offline", reason=f"node {node} is offline")
+                    state, reason = "node_offline", f"node {node} is offline"
                 else:
                     server = self.view.nodes[node].servers.get(sid)
                     if server is None:
-                        row.update(state="missing", reason=f"{node} reports no server {sid} (not applied yet?)")
+                        state, reason = "missing", f"{node} reports no server {sid} (not applied yet?)"
                     elif server.model != digest and not (c.pipeline is not None and _slice_of(
                             self.view.nodes[node], server.model) == digest):
-                        row.update(state="drifted", reason=f"{node} runs {sid} with another model")
+                        state, reason = "drifted", f"{node} runs {sid} with another model"
                     else:
-                        row.update(state=server.state, reason=server.reason)
-                self.store.put_server_row(row, when)
+                        state, reason = server.state, server.reason
+                key = (c.name, node, c.model, c.port, state, reason)
+                if self._rows_written.get(sid) != key:
+                    self.store.put_server_row({"id": sid, "cluster": c.name, "node": node, "model": c.model,
+                                               "port": c.port, "state": state, "reason": reason}, when)
+                    self._rows_written[sid] = key
+        if touch:
+            self.store.touch_rows(when)
+
+    def drift(self, observed: Observed) -> None:
+        """Plan against what this beat saw (pure: plan() does no I/O) and say whether the fleet
+        matches its file. A beat that changed nothing keeps the last plan: its inputs are the very
+        same node objects (observe.py keeps each node an agent reports unchanged)."""
+        nodes = tuple(observed.nodes.values())
+        same = (self.view.plan is not None and len(nodes) == len(self._planned)
+                and all(a is b for a, b in zip(nodes, self._planned))
+                and frozenset(observed.manifests) == self._planned_manifests)
+        if not same:
+            self.view.plan = plan(self.d, observed)
+            self._planned, self._planned_manifests = nodes, frozenset(observed.manifests)
+        p = self.view.plan
+        assert p is not None
+        self.on_plan(p)
+        when = self.now()
+        if self._open is None:
+            self._open = self.store.open_alert_keys()
+        if not p.changes:
+            self._clear(FLEET, DRIFT, when)
+            return
+        self.store.set_alert(FLEET, DRIFT, drift_cause(p), when)
+        self._open.add((FLEET, DRIFT))
 
     async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         await self.beat()
@@ -105,6 +189,13 @@ class Heartbeat:
         while True:
             await trio.sleep(self.interval)
             await self.beat()
+
+
+def drift_cause(p: Plan) -> str:
+    """The plan's summary line, then each change by action and address (the first SHOWN)."""
+    shown = [f"{c.action.value} {c.address}" for c in p.changes[:SHOWN]]
+    more = f", and {len(p.changes) - SHOWN} more" if len(p.changes) > SHOWN else ""
+    return f"the fleet does not match its file. {p.summary()} " + ", ".join(shown) + more
 
 
 def _slice_of(node: ObservedNode, digest: str) -> str | None:

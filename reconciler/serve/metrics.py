@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..plan import SUMMARY_ORDER, Plan
+
 
 class ServeMetrics:
     def __init__(self) -> None:
@@ -20,6 +22,18 @@ class ServeMetrics:
                              registry=self.registry)
         self.beat_seconds = Histogram("fleet_heartbeat_seconds", "Time one heartbeat took (all nodes)",
                                       registry=self.registry, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+        self.pending = Gauge("fleet_pending_changes", "Changes the latest heartbeat's plan holds, by action: the "
+                             "fleet no longer matches its file while any is above 0", ["action"],
+                             registry=self.registry)
+        for action in SUMMARY_ORDER:
+            self.pending.labels(action.value).set(0)
+        self.draining = Gauge("fleet_members_draining", "Cluster members taken out of routing by an apply now",
+                              registry=self.registry)
+
+    def planned(self, plan: Plan) -> None:
+        for action in SUMMARY_ORDER:
+            self.pending.labels(action.value).set(plan.count(action))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -41,8 +41,10 @@ class RelayStream(Response):
     streams was tried: it halved the relay's CPU on one fast stream but lengthened every stream
     by up to a window, epoll rounds sleeps up to whole milliseconds, and throughput fell.)"""
 
-    def __init__(self, router: "Router", response: upstream.UpstreamResponse, scrub: Scrubber, node: str) -> None:
+    def __init__(self, router: "Router", response: upstream.UpstreamResponse, scrub: Scrubber, node: str,
+                 sid: str = "") -> None:
         self.router, self.upstream, self.scrub, self.node = router, response, scrub, node
+        self.sid = sid  # the member's server id: its requests in flight are counted by it
         self.status_code = response.status
         self.content_type = response.headers.get("content-type", "text/event-stream")
         self.background = None
@@ -68,7 +70,7 @@ class RelayStream(Response):
             # released now: back to the pool after a clean end, closed otherwise.
             metrics.streams.dec()
             self.upstream.close()
-            self.router.outstanding[self.node] -= 1
+            self.router.outstanding[self.sid] -= 1
 
     async def relay(self, send: Send) -> None:
         response, scrub, sent, timeout = self.upstream, self.scrub, self.router.metrics.relay_bytes, self.router.timeout
@@ -114,7 +116,7 @@ class Router:
         self.metrics = metrics or ServeMetrics()
         self.view = view
         self.keys = [k.encode() for k in api_keys or []]
-        self.outstanding: dict[str, int] = {}
+        self.outstanding: dict[str, int] = {}  # server id → requests in flight on that member
         self.pool = upstream.Pool()
         self.http = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout, connect=5.0),
                                       limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
@@ -126,9 +128,14 @@ class Router:
             return self.d.clusters[name]
         return next((c for c in self.d.clusters.values() if c.model == name), None)
 
+    def in_flight(self, sid: str) -> int:
+        return self.outstanding.get(sid, 0)
+
     def member_state(self, c: ClusterSpec, node: str) -> tuple[bool, str]:
         if not self.view.online.get(node, False):
             return False, f"{node}: node offline"
+        if server_id(c.name, node) in self.view.draining:  # an apply replaces it (serve/drains.py)
+            return False, f"{node}: draining for an apply"
         seen = self.view.nodes.get(node)
         server = seen.servers.get(server_id(c.name, node)) if seen is not None else None
         if server is None:
@@ -152,7 +159,8 @@ class Router:
         for node in c.members:
             good, reason = self.member_state(c, node)
             (ok if good else why).append(node if good else reason)
-        ok.sort(key=lambda n: (self.outstanding.get(n, 0), c.members.index(n)))  # least outstanding first
+        # Least outstanding first.
+        ok.sort(key=lambda n: (self.outstanding.get(server_id(c.name, n), 0), c.members.index(n)))
         return ok, why
 
     def scrubber(self, c: ClusterSpec, node: str) -> Scrubber:
@@ -195,8 +203,11 @@ class Router:
         stream = bool(body.get("stream"))
         failures = []
         for node in members:
-            host, path = self.d.nodes[node].address, request.scope["path"]
-            self.outstanding[node] = self.outstanding.get(node, 0) + 1
+            host, path, sid = self.d.nodes[node].address, request.scope["path"], server_id(cluster.name, node)
+            if sid in self.view.draining:  # drained while an earlier member was tried
+                failures.append(f"{node}: draining for an apply")
+                continue
+            self.outstanding[sid] = self.outstanding.get(sid, 0) + 1
             if stream:
                 try:
                     with trio.fail_after(self.timeout):
@@ -206,9 +217,9 @@ class Router:
                 except upstream.UpstreamError as exc:
                     failure = str(exc)
                 else:
-                    return RelayStream(self, upstream_response, self.scrubber(cluster, node), node)
+                    return RelayStream(self, upstream_response, self.scrubber(cluster, node), node, sid)
                 # Nothing reached the client yet: the next member may answer.
-                self.outstanding[node] -= 1
+                self.outstanding[sid] -= 1
                 failures.append(f"{node}: {failure}")
                 log.warning("cluster %s: the member on %s did not answer: %s", cluster.name, node, failure)
                 continue
@@ -221,7 +232,7 @@ class Router:
                             type(exc).__name__, exc)
                 continue
             finally:
-                self.outstanding[node] -= 1
+                self.outstanding[sid] -= 1
             scrub = self.scrubber(cluster, node)
             content = scrub.feed(response.content) + scrub.flush()
             self.metrics.relay_bytes.inc(len(content))

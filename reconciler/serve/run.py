@@ -14,7 +14,8 @@ import trio
 from ..client import AgentClient
 from ..model import Desired
 from ..observe import observer
-from ..state_store import ServeRecord
+from ..state_store import DrainRows, ServeRecord
+from .drains import DrainWatcher
 from .front import Front, raise_descriptor_limit
 from .heartbeat import Heartbeat
 from .metrics import ServeMetrics
@@ -50,7 +51,9 @@ def server_tls(desired: Desired) -> ServerTls | None:
 
 
 async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: float, misses: int,
-                timeout: float) -> None:
+                timeout: float, drains: DrainRows | None = None) -> None:
+    """`drains`: where `fleet apply` asks for members to be drained around a replace (the state
+    store's; None: no apply drains through this process)."""
     keys = api_keys(desired)
     tls = server_tls(desired)
     raise_descriptor_limit()  # the front's connection cap follows it
@@ -61,8 +64,10 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
     async with AgentClient(secret, timeout=timeout) as client:
         metrics = ServeMetrics()
         heartbeat = Heartbeat(desired, observer(desired, client), store, interval=interval, misses=misses,
-                              timeout=timeout, on_beat=metrics.beat_seconds.observe)
+                              timeout=timeout, on_beat=metrics.beat_seconds.observe, on_plan=metrics.planned)
         router = Router(desired, heartbeat.view, api_keys=keys, metrics=metrics)
+        watcher = (DrainWatcher(drains, heartbeat.view, router.in_flight, heartbeat.refresh,
+                                on_change=metrics.draining.set) if drains is not None else None)
         host, _, port = desired.control_plane.listen.rpartition(":")
         front = Front(router.app(), tls=tls, on_drop=lambda reason: metrics.connections_dropped.labels(reason).inc())
         metrics.connections.set_function(lambda: front.live)
@@ -82,6 +87,8 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(on_signal)
             await nursery.start(heartbeat.run)
+            if watcher is not None:
+                await nursery.start(watcher.run)
             log.info("serving %d clusters on %s://%s (heartbeat every %gs, at most %d client connections)",
                      len(desired.clusters), "https" if tls else "http", desired.control_plane.listen, interval,
                      front.cap)

@@ -318,7 +318,7 @@ def test_a_client_leaving_a_relayed_stream_closes_the_workers_connection() -> No
             await client.aclose()
             with trio.fail_after(3):
                 await worker_saw_close.wait()
-            assert router.outstanding["w"] == 0
+            assert router.in_flight("chat@w") == 0
     run(main)
 
 

@@ -3,13 +3,14 @@ no network. (tests/e2e/test_serve.py beats real agents.)"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import trio
 import trio.testing
 
-from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+from reconciler.model import DEFAULT_STARTUP_TIMEOUT_S, ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
 from reconciler.observed import Observed, ObservedNode, node_from_state
 from reconciler.serve.heartbeat import Heartbeat
 from reconciler.state_store import StateStore
@@ -24,22 +25,36 @@ def desired() -> Desired:
 
 
 class World:
-    """Each node answers or not as the test says; each beat's (fake) time is kept."""
+    """Each node answers or not as the test says; each beat's (fake) time is kept. A node whose
+    answer is the same as last time is the same object, as the heartbeat's observer keeps it."""
 
     def __init__(self) -> None:
         self.up = {"cp": True, "a": True}
         self.model = DIGEST
+        self.server_state = "running"
+        self.settings: dict[str, Any] = {"startup_timeout_s": DEFAULT_STARTUP_TIMEOUT_S}
         self.times: list[float] = []
         self.timeouts: list[float] = []
+        self.asked: list[list[str] | None] = []
+        self.last: dict[str, tuple[str, ObservedNode]] = {}
 
-    async def observe(self, timeout: float) -> Observed:
+    async def observe(self, timeout: float, only: list[str] | None = None) -> Observed:
         self.times.append(trio.current_time())
         self.timeouts.append(timeout)
+        self.asked.append(only)
         nodes = {}
         for n, up in self.up.items():
+            if only is not None and n not in only:
+                continue
             if up:
-                servers = [{"id": "chat@a", "state": "running", "model": self.model}] if n == "a" else []
-                nodes[n] = node_from_state(n, {"servers": servers, "weights": [], "inventory": {}})
+                servers = [{"id": "chat@a", "state": self.server_state, "model": self.model, "port": 9001,
+                            "settings": self.settings}] if n == "a" and self.server_state else []
+                weights = [{"digest": DIGEST, "format": "safetensors", "bytes": 10}] if n == "cp" else []
+                state = {"servers": servers, "weights": weights, "inventory": {}}
+                key = json.dumps(state, sort_keys=True)
+                if self.last.get(n, ("", None))[0] != key:
+                    self.last[n] = (key, node_from_state(n, state))
+                nodes[n] = self.last[n][1]
             else:
                 nodes[n] = ObservedNode(n, "node_unreachable", "connection refused")
         return Observed(nodes)
@@ -113,4 +128,73 @@ def test_the_state_kept_for_a_node_is_what_it_sent(tmp_path: Path) -> None:
     record = StateStore(tmp_path).serve
     trio.run(Heartbeat(desired(), world.observe, record).beat)
     a = next(n for n in record.nodes() if n["name"] == "a")
-    assert a["state"]["servers"] == [{"id": "chat@a", "state": "running", "model": DIGEST}]
+    assert a["state"]["servers"] == [{"id": "chat@a", "state": "running", "model": DIGEST, "port": 9001,
+                                      "settings": {"startup_timeout_s": DEFAULT_STARTUP_TIMEOUT_S}}]
+
+
+def drift_alerts(record: Any) -> list[dict[str, Any]]:
+    return [a for a in record.alerts(include_cleared=True) if a["kind"] == "drift"]
+
+
+def test_drift_raised_with_the_plan_then_cleared_and_nothing_acted_on(tmp_path: Path) -> None:
+    world = World()
+    record = StateStore(tmp_path).serve
+    plans: list[Any] = []
+    beat = Heartbeat(desired(), world.observe, record, now=lambda: "T", on_plan=plans.append)
+
+    async def main() -> None:
+        await beat.beat()
+        assert drift_alerts(record) == [] and not plans[-1].changes
+        world.server_state = ""  # stopped behind fleet's back: the agent reports no server
+        await beat.beat()
+        (alert,) = drift_alerts(record)
+        assert alert["node"] == "fleet" and alert["cleared_at"] is None
+        assert "Plan: 0 to replicate, 1 to start, 0 to replace, 0 to stop, 0 to delete." in alert["cause"]
+        assert "start server.chat@a" in alert["cause"]
+        world.settings = {"startup_timeout_s": DEFAULT_STARTUP_TIMEOUT_S, "speculative": {"mode": "ngram"}}
+        world.server_state = "running"  # back, with a nested setting fleet.yaml does not ask for
+        await beat.beat()
+        (alert,) = drift_alerts(record)  # the same alert, its cause brought up to date
+        assert "replace server.chat@a" in alert["cause"] and alert["cleared_at"] is None
+        assert "speculative.mode ngram → unset" in plans[-1].changes[0].reason
+        world.settings = {"startup_timeout_s": DEFAULT_STARTUP_TIMEOUT_S}
+        await beat.beat()
+        (alert,) = drift_alerts(record)
+        assert alert["cleared_at"] == "T" and not plans[-1].changes
+
+    trio.run(main)
+    assert world.asked == [None] * 4  # it only observed: no call but the beats'
+
+
+def test_a_quiet_beat_plans_nothing_again_and_rewrites_no_row(tmp_path: Path) -> None:
+    world = World()
+    store = StateStore(tmp_path)
+    beat = Heartbeat(desired(), world.observe, store.serve, now=lambda: "T")
+
+    async def main() -> None:
+        await beat.beat()
+        first = beat.view.plan
+        before = store.db.total_changes
+        await beat.beat()  # every node the same object: the same plan, and only the two touches
+        assert beat.view.plan is first
+        assert store.db.total_changes - before == len(store.serve.nodes()) + len(store.serve.server_rows())
+        world.server_state = "failed"
+        await beat.beat()
+        assert beat.view.plan is not first and beat.view.plan is not None and beat.view.plan.changes
+
+    trio.run(main)
+
+
+def test_refresh_asks_only_the_nodes_named(tmp_path: Path) -> None:
+    world = World()
+    record = StateStore(tmp_path).serve
+    beat = Heartbeat(desired(), world.observe, record)
+
+    async def main() -> None:
+        await beat.beat()
+        world.server_state = "starting"
+        await beat.refresh(["a"])
+        assert world.asked[-1] == ["a"] and beat.view.nodes["a"].servers["chat@a"].state == "starting"
+        assert record.server_rows()[0]["state"] == "starting"
+
+    trio.run(main)

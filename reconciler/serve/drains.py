@@ -1,0 +1,78 @@
+"""`fleet serve`'s side of a drain (reconciler/drain.py is apply's): notice at once that an apply
+drains a member, take it out of routing before anything else runs, say when its last request in
+flight ended, and admit it again once its agent, asked afresh, reports its new server."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Callable, Collection, Protocol
+
+import trio
+
+from ..state_store import Drain
+from .heartbeat import View, utc_now
+
+log = logging.getLogger("fleet")
+
+EVERY_S = 0.05  # how often the board is looked at: the longest a drain waits to be seen
+
+
+class WatchBoard(Protocol):
+    """What serve reads and writes of the board (state_store.DrainRows)."""
+
+    def changed(self) -> bool: ...
+    def active(self) -> list[Drain]: ...
+    def answer(self, server_id: str, seen: str, in_flight: int, when: str) -> None: ...
+
+
+class DrainWatcher:
+    """`in_flight(server_id)`: requests the router has on that member now; `refresh(nodes)`: ask
+    those agents now (Heartbeat.refresh); `on_change(n)`: members drained now (the metrics)."""
+
+    def __init__(self, board: WatchBoard, view: View, in_flight: Callable[[str], int],
+                 refresh: Callable[[Collection[str]], Awaitable[None]], *, every: float = EVERY_S,
+                 now: Callable[[], str] = utc_now, on_change: Callable[[int], None] | None = None) -> None:
+        self.board, self.view, self.in_flight, self.refresh = board, view, in_flight, refresh
+        self.every, self.now = every, now
+        self.on_change = on_change or (lambda n: None)
+        self.rows: list[Drain] = []
+
+    async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await self.tick()
+            await trio.sleep(self.every)
+
+    async def tick(self) -> None:
+        # Nothing committed by another process and nothing being drained: one PRAGMA, no query.
+        if not self.board.changed() and not self.rows:
+            return
+        self.rows = self.board.active()
+        drained = {d.server_id for d in self.rows if d.phase == "drain" or d.seen != "admitted"}
+        if drained != self.view.draining:
+            # Set before anything awaits: no request is routed to a drained member from here on.
+            for sid in drained - self.view.draining:
+                log.info("draining %s for an apply: new requests go to the other members", sid)
+            self.view.draining = drained
+            self.on_change(len(drained))
+        for d in self.rows:
+            if d.phase == "drain":
+                n = self.in_flight(d.server_id)
+                seen = "drained" if n == 0 else "draining"
+                if (seen, n) != (d.seen, d.in_flight):
+                    self.board.answer(d.server_id, seen, n, self.now())
+            elif d.seen != "admitted":
+                await self.admit(d)
+
+    async def admit(self, d: Drain) -> None:
+        """Back into routing on what its agent says now: the router sends it requests only if its
+        new server is reported running (a beat from before the replacement says nothing of it)."""
+        try:
+            await self.refresh([d.node])
+        except Exception as exc:  # the row says it; the next beat asks again
+            log.warning("could not ask %s before admitting %s: %s", d.node, d.server_id, exc)
+        self.view.draining.discard(d.server_id)
+        self.on_change(len(self.view.draining))
+        server = self.view.nodes[d.node].servers.get(d.server_id) if d.node in self.view.nodes else None
+        log.info("admitted %s back into routing (%s)", d.server_id, server.state if server else "not reported")
+        self.board.answer(d.server_id, "admitted", self.in_flight(d.server_id), self.now())
