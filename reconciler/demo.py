@@ -314,7 +314,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             demo.by_hand()
         code: int = Exit.OK
     except KeyboardInterrupt:
-        interrupted, code = True, 130
+        interrupted, code = True, Exit.INTERRUPTED
     except RuntimeError as exc:
         err.print(f"[red]demo failed:[/] {exc}", markup=True)
         code = Exit.FAILURE

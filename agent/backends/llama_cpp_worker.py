@@ -135,9 +135,16 @@ class Counts(Protocol):
 
 class PromptCounter:
     """Prompt tokens as the library counts them: its own chat formatting and tokenizer, on a copy of
-    the model that holds only the vocabulary (loaded in a fraction of a second, no weights)."""
+    the model that holds only the vocabulary (no weights: a fraction of a second, on first use)."""
 
     def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+        self.vocab: Any = None
+        self.counted: type[Exception] = Exception
+        self.broken = False  # the vocabulary would not load: no usage chunk, the answer still goes
+        self.lock = threading.Lock()
+
+    def _load(self) -> Any:
         import llama_cpp
 
         class Counted(Exception):
@@ -152,12 +159,20 @@ class PromptCounter:
                 return len(self.tokenize(prompt.encode("utf-8"), special=True)) if prompt else 1
 
         self.counted = Counted
-        self.vocab = Vocabulary(model_path, vocab_only=True, verbose=False)
-        self.lock = threading.Lock()
+        return Vocabulary(self.model_path, vocab_only=True, verbose=False)
 
     def count(self, body: dict[str, Any], chat: bool) -> int | None:
         """None when the library itself could not format the prompt (the request will say why)."""
         with self.lock:
+            if self.broken:
+                return None
+            if self.vocab is None:
+                try:
+                    self.vocab = self._load()
+                except Exception as exc:
+                    self.broken = True
+                    print(f"cannot count prompt tokens: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    return None
             if not chat:
                 prompt = body.get("prompt")
                 return int(self.vocab.count_text(str((prompt[0] if isinstance(prompt, list) else prompt) or "")))
