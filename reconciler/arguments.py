@@ -205,7 +205,7 @@ def build_parser() -> Parser:
 
     p = _sub(sub, "completion", "print the shell completion script (bash, zsh or fish)",
              "Print the script that teaches a shell to complete fleet's commands, options, files and, for "
-             "--target, the plan addresses of the fleet file (-f or the default).",
+             "--target, the plan addresses of the fleet file (-f, else $FLEET_CONFIG or ./fleet.yaml).",
              examples='  eval "$(fleet completion bash)"      # in ~/.bashrc\n'
                       '  eval "$(fleet completion zsh)"       # in ~/.zshrc, after compinit\n'
                       "  fleet completion fish > ~/.config/fish/completions/fleet.fish")
