@@ -57,13 +57,20 @@ async def _observe(desired: Desired, timeout: float, secret: str) -> Observed:
         return await observe(desired, client, timeout=timeout)
 
 
+def _write(path: str, text: str, what: str) -> None:
+    try:
+        Path(path).write_text(text + "\n")
+    except OSError as exc:
+        raise Failure(Exit.INVALID_CONFIG, "cannot_write", f"cannot write {what} to {path}: {exc}") from None
+
+
 def cmd_observe(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
     assert loaded.desired is not None
     observed = trio.run(_observe, loaded.desired, args.timeout, _secret())
     text = json.dumps(observed.to_snapshot(), indent=2)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        _write(args.out, text, "the snapshot")
         bad = [n for n, o in observed.nodes.items() if not o.ok]
         console(stderr=True).print(f"observed {len(observed.nodes)} nodes into {args.out}"
                                    + (f"; no answer from {', '.join(bad)}" if bad else ""))
@@ -92,10 +99,7 @@ def cmd_plan(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
     p = _plan(loaded, args)
     if args.out:
-        try:
-            Path(args.out).write_text(json.dumps(p.to_json(), indent=2) + "\n")
-        except OSError as exc:
-            raise Failure(Exit.INVALID_CONFIG, "cannot_write", f"cannot save the plan to {args.out}: {exc}") from None
+        _write(args.out, json.dumps(p.to_json(), indent=2), "the plan")
     code = Exit.PLAN_REFUSED if p.errored else Exit.CHANGES if p.changes and args.detailed_exitcode else Exit.OK
     if args.json:
         print_json(p.to_json())
