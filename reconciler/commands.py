@@ -11,7 +11,6 @@ import sys
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import trio
 from rich.markup import escape
@@ -27,6 +26,7 @@ from .observe import observe
 from .observed import Observed, from_snapshot
 from .outcome import Failure, print_json
 from .plan import Plan
+from .progress import ApplyProgress
 from .planner import plan as make_plan
 from .render import JSON_FORMAT_VERSION, console, print_diagnostics, print_plan, result_line
 from .state_store import ApplyLedger, LockHeld
@@ -221,20 +221,10 @@ def _applied(args: argparse.Namespace, p: Plan, outcome: str, code: Exit, messag
 
 async def _execute(desired: Desired, p: Plan, args: argparse.Namespace, secret: str,
                    drains: Drainer | None = None) -> list[Result]:
-    out = console(stderr=True)
-
-    def progress(event: str, data: dict[str, Any]) -> None:
-        if event == "started":
-            out.print(f"  … {data['change'].action.value} {data['change'].address}")
-        elif event == "retry":
-            out.print(f"  ↻ {data['change'].action.value} {data['change'].address}: retry {data['attempt']} "
-                      f"after {data['error']}", markup=False)
-        elif event == "drain":
-            out.print(f"  ⇄ {data['message']}", markup=False)
-
-    async with AgentClient(secret, timeout=args.timeout) as client:
-        return await Executor(desired, client, parallelism=args.parallelism, progress=progress,
-                              drains=drains).run(p)
+    with ApplyProgress(console(stderr=True)) as progress:
+        async with AgentClient(secret, timeout=args.timeout) as client:
+            return await Executor(desired, client, parallelism=args.parallelism, progress=progress,
+                                  drains=drains).run(p)
 
 
 def cmd_serve(args: argparse.Namespace, path: str) -> int:

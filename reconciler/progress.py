@@ -1,0 +1,56 @@
+"""What `fleet apply` shows while it runs, on stderr: on a terminal, a live bar per replicate with its
+bytes, speed and time left (rich); in a pipe or a CI log, one line per action as it starts, and one
+per retry or drain, never a line per poll."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+
+from .plan import Action, Change
+
+
+class ApplyProgress:
+    """The executor's progress hook (reconciler/execute.py: started, progress, retry, drain,
+    finished), for people. Use as a context manager: the bars live between enter and exit."""
+
+    def __init__(self, out: Console) -> None:
+        self.out = out
+        self.tasks: dict[str, TaskID] = {}
+        self.bars = Progress(TextColumn("  {task.description}"), BarColumn(), DownloadColumn(),
+                             TransferSpeedColumn(), TimeRemainingColumn(), console=out) if out.is_terminal else None
+
+    def __enter__(self) -> ApplyProgress:
+        if self.bars is not None:
+            self.bars.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bars is not None:
+            self.bars.stop()
+
+    def __call__(self, event: str, data: dict[str, Any]) -> None:
+        change: Change = data["change"]
+        what = f"{change.action.value} {change.address}"
+        task = self.tasks.get(change.address)
+        if event == "started":
+            if self.bars is not None and change.action is Action.REPLICATE:
+                self.tasks[change.address] = self.bars.add_task(what, total=change.details.get("bytes") or None)
+            else:
+                self.out.print(f"  … {what}", markup=False)
+        elif event == "progress" and self.bars is not None and task is not None:
+            # Drawn now, not at the next tick: an answer arrives once per poll, and is then on screen.
+            self.bars.update(task, completed=data["done"], total=data["total"] or None, refresh=True)
+        elif event == "finished" and self.bars is not None and task is not None:
+            status = data["result"].status
+            if status == "done":
+                total = self.bars.tasks[task].total
+                self.bars.update(task, completed=total or self.bars.tasks[task].completed)
+            self.bars.update(task, description=f"{what} ({status})")
+        elif event == "retry":
+            self.out.print(f"  ↻ {what}: retry {data['attempt']} after {data['error']}", markup=False)
+        elif event == "drain":
+            self.out.print(f"  ⇄ {data['message']}", markup=False)
