@@ -30,9 +30,10 @@ class Failure(Exception):
         return error_document(command, self.exit, self.code, self.message, self.diagnostics, self.hint)
 
     def show(self, *, as_json: bool, command: str) -> None:
+        """The error document on stdout under --json; for people, on stderr, either way (a CI log
+        shows why without opening the document)."""
         if as_json:
             print_json(self.document(command))
-            return
         err = console(stderr=True)
         print_diagnostics(err, self.diagnostics, self.source_text)
         err.print(f"[red]✗[/] {escape(self.message)}")
