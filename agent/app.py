@@ -24,6 +24,7 @@ from .fetch import Fetcher
 from .identity import Identity
 from .launch import Launcher
 from .store import Store, WeightStore
+from .verify import DEFAULT_PERIOD_S, Verifier
 from .workers import Workers
 
 
@@ -32,15 +33,29 @@ def local_now() -> datetime:
 
 
 class Spawner:
-    """Background work (fetches, server supervision) runs in the server's nursery, handed over once open."""
+    """Background work (fetches, server supervision, verification) runs in the server's nursery,
+    handed over once open; what is spawned before (the verification at start) starts then."""
 
     def __init__(self) -> None:
-        self.nursery: trio.Nursery | None = None
+        self._nursery: trio.Nursery | None = None
+        self._waiting: list[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]] = []
+
+    @property
+    def nursery(self) -> trio.Nursery | None:
+        return self._nursery
+
+    @nursery.setter
+    def nursery(self, nursery: trio.Nursery | None) -> None:
+        self._nursery = nursery
+        waiting, self._waiting = self._waiting, []
+        for fn, args in waiting:
+            self(fn, *args)
 
     def __call__(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
-        if self.nursery is None:
-            raise RuntimeError("the agent's nursery is not open yet")
-        self.nursery.start_soon(fn, *args)
+        if self._nursery is None:
+            self._waiting.append((fn, args))
+            return
+        self._nursery.start_soon(fn, *args)
 
 
 @dataclass
@@ -61,6 +76,7 @@ class AgentContext:
     windows: tuple[Window, ...] = ()
     clock: Callable[[], datetime] = local_now
     engines: dict[str, Any] = field(default_factory=environment.engines)
+    verifier: Verifier | None = None  # None where there are no bytes to verify (a simulated agent)
 
     def state(self) -> AgentState:
         now = self.clock()
@@ -69,7 +85,7 @@ class AgentContext:
                          "enrolled_at": self.identity.enrolled_at},
             "agent_version": self.version,
             "variant": {"accelerator": environment.variant(self.engines), **self.engines},
-            "inventory": inventory.measure(self.home, self.gpu_probe),
+            "inventory": inventory.measure(self.home, self.gpu_probe, reserve=self.fetcher.reserve),
             "availability": status(self.windows, now),
             "observed_at": now.isoformat(),
             "weights": self.store.entries(),
@@ -96,16 +112,23 @@ def generation(state: AgentState) -> str:
 
 def assemble(home: Path, identity: Identity, secret: bytes, version: str, gpu_probe: inventory.GpuProbe,
              launcher: Launcher, *, listen_host: str = "127.0.0.1", windows: tuple[Window, ...] = (),
-             clock: Callable[[], datetime] = local_now, engines: dict[str, Any] | None = None) -> AgentContext:
-    """A real agent's parts under `home`: its weight store, a fetcher writing into it, and workers
-    starting servers through `launcher` (on listen_host unless a request names another host)."""
+             clock: Callable[[], datetime] = local_now, engines: dict[str, Any] | None = None,
+             verify_every_s: float | None = DEFAULT_PERIOD_S, disk_reserve: int | None = None) -> AgentContext:
+    """A real agent's parts under `home`: its weight store, a fetcher writing into it (keeping
+    disk_reserve bytes free: None for the default), workers starting servers through `launcher`
+    (on listen_host unless a request names another host), and a verifier of what the store holds,
+    run at start and every verify_every_s seconds once the server's nursery opens (None: on demand only)."""
     spawner = Spawner()
     store = Store(home)
+    fetcher = Fetcher(store, secret.decode(), spawner, node=identity.name, reserve=disk_reserve)
+    verifier = Verifier(store, fetcher)
+    if verify_every_s is not None:
+        spawner(verifier.run, verify_every_s)
     return AgentContext(home=home, identity=identity, secret=secret, version=version, gpu_probe=gpu_probe,
-                        store=store, fetcher=Fetcher(store, secret.decode(), spawner),
+                        store=store, fetcher=fetcher,
                         workers=Workers(home, store, spawner, launcher, listen_host), spawner=spawner,
                         windows=windows, clock=clock,
-                        engines=environment.engines() if engines is None else engines)
+                        engines=environment.engines() if engines is None else engines, verifier=verifier)
 
 
 def create_app(ctx: AgentContext) -> BearerAuth:

@@ -85,11 +85,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise Refused("--tls-cert and --tls-key go together")
     host, port = _listen(args.listen)
 
+    from .fetch import parse_size
+    from .verify import parse_period
+
+    try:
+        verify_every = parse_period(args.verify_every)
+    except ValueError as exc:
+        raise Refused(f"--verify-every: {exc}") from None
+    try:
+        reserve = None if args.disk_reserve is None else parse_size(args.disk_reserve)
+    except ValueError as exc:
+        raise Refused(f"--disk-reserve: {exc}") from None
+
     from .app import assemble, create_app
     from .launch import ProcessLauncher
     from .server import serve
 
-    ctx = assemble(home, ident, secret, __version__, probe, ProcessLauncher(), listen_host=host, windows=wins)
+    ctx = assemble(home, ident, secret, __version__, probe, ProcessLauncher(), listen_host=host, windows=wins,
+                   verify_every_s=verify_every, disk_reserve=reserve)
     return serve(create_app(ctx), host, port, ident, spawner=ctx.spawner, workers=ctx.workers,
                  tls_cert=args.tls_cert, tls_key=args.tls_key)
 
@@ -224,6 +237,13 @@ def build_parser() -> Parser:
                         "state then says simulated: true")
     p.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
+    p.add_argument("--verify-every", default="24h", metavar="PERIOD",
+                   help="re-hash every model held at start and then every PERIOD (90s, 30m, 24h, 7d), "
+                        "one at a time in the background; a model that fails is reported corrupt and no "
+                        "server starts on it. off: only on demand (POST /v1/weights/DIGEST/verify)")
+    p.add_argument("--disk-reserve", metavar="SIZE",
+                   help="bytes of the home's disk a fetch never uses (e.g. 1GiB, 500MB, 0); a fetch that would "
+                        "is refused (disk_full) (default: 1 GiB, or a tenth of a smaller disk)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("import", help="hash and store a local model; print its digest",

@@ -1,16 +1,22 @@
 """Fetching weights from a peer: one job per digest, streamed to a partial file while hashing,
-verified, fsynced, renamed; resumed with a Range request from whatever is on disk."""
+verified, fsynced, renamed; resumed with a Range request from whatever is on disk. The disk work
+that is not the transfer itself (re-hashing what a resume finds, fsync, commit) runs in a worker
+thread: the agent answers /v1/state meanwhile. A fetch never eats the disk's reserve; a disk that
+fills anyway fails it as disk_full, naming the node and the free space, and removes the partial."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
+import shutil
 import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import trio
 
@@ -21,9 +27,37 @@ from wire.state import FetchJob
 from .peerhttp import PeerError, get, get_bytes
 from .store import CHUNK, Store, fsync_dir
 
+DEFAULT_RESERVE = 1 << 30  # kept free on the store's disk unless --disk-reserve says otherwise ...
+RESERVE_FRACTION = 10  # ... or a tenth of a smaller disk
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*\Z", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1GiB", "500MB", "0" (ValueError otherwise): powers of 1024 with `i`, 1000 without."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size: write bytes, or a number with KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+    power = " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+def default_reserve(path: Path) -> int:
+    return min(DEFAULT_RESERVE, shutil.disk_usage(path).total // RESERVE_FRACTION)
+
 
 class FetchError(Exception):
-    pass
+    def __init__(self, message: str, code: str = "fetch_failed") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _LocalWrite(Exception):
+    """A write to our own disk failed inside the transfer; not an OSError, so that the peer code,
+    which reads every OSError as a broken connection, lets it through."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass
@@ -38,6 +72,7 @@ class Job:
     bytes_done: int = 0  # verified or on disk, counting what a resume found
     bytes_fetched: int = 0  # crossed the wire in this job
     error: str | None = None
+    code: str | None = None  # a failure's stable code: disk_full, fetch_failed, ...
     resumable: bool = False  # failed keeping what arrived: asking again resumes (the executor does)
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
@@ -49,7 +84,7 @@ class Job:
                 "bytes_total": self.bytes_total, "bytes_done": self.bytes_done,
                 "bytes_fetched": self.bytes_fetched,
                 "rate_bytes_per_s": round(self.bytes_fetched / elapsed) if elapsed > 0 else 0,
-                "error": self.error, "resumable": self.resumable}
+                "error": self.error, "code": self.code, "resumable": self.resumable}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +101,16 @@ class Segment:
 
 class Fetcher:
     def __init__(self, store: Store, secret: str, spawn: Callable[..., None],
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, *, node: str = "", reserve: int | None = None) -> None:
         self.store = store
         self.secret = secret
         self.spawn = spawn
         self.ssl_context = ssl_context
+        self.node = node  # this agent's name, for messages read on the control plane
+        self.reserve = default_reserve(store.root) if reserve is None else reserve
         self.jobs: dict[str, Job] = {}
         self._locks: dict[str, trio.Lock] = {}
+        self._claims: dict[str, int] = {}  # bytes each running job has still to write
 
     def request(self, digest: str, peer: str, name: str = "", source_digest: str | None = None,
                 layers: LayerRange | None = None) -> Job:
@@ -94,10 +132,13 @@ class Fetcher:
             job.state = "present"
         except (FetchError, PeerError, mf.ManifestError) as exc:
             job.state, job.error = "failed", str(exc)
+            job.code = exc.code if isinstance(exc, FetchError) else "fetch_failed"
             job.resumable = isinstance(exc, PeerError) and exc.resumable
         except Exception as exc:  # a bug: keep it visible in the job, never kill the agent
             job.state, job.error = "failed", f"internal error: {type(exc).__name__}: {exc}"
+            job.code = "internal_error"
         finally:
+            self._claims.pop(job.digest, None)
             job.finished = time.monotonic()
 
     async def _manifest(self, job: Job, digest: str) -> dict[str, Any]:
@@ -108,6 +149,40 @@ class Fetcher:
             return mf.validate(json.loads(body))
         except ValueError as exc:
             raise FetchError(f"peer {job.peer} served a bad manifest for {digest}: {exc}") from None
+
+    def _part(self, job: Job, f: dict[str, Any]) -> Path:
+        if f.get("assembled"):
+            return self.store.partial / f"{job.digest[7:]}-{hashlib.sha256(f['path'].encode()).hexdigest()[:16]}.part"
+        return self.store.partial / f"{f['sha256']}.part"
+
+    def _claim(self, job: Job, manifest: dict[str, Any]) -> None:
+        """Refuse a fetch that would leave less than the reserve free, counting what the other
+        running fetches have still to write (they checked the same free space)."""
+        needed = 0
+        for f in manifest["files"]:
+            if not f.get("assembled") and self.store.has_blob(f["sha256"]):
+                continue
+            part = self._part(job, f)
+            have = part.stat().st_size if part.exists() else 0
+            needed += f["size"] - (have if have <= f["size"] else 0)
+        free = shutil.disk_usage(self.store.root).free
+        others = sum(n for d, n in self._claims.items() if d != job.digest)
+        if free - others - needed < self.reserve:
+            pending = f", {others:,} of them promised to fetches running" if others else ""
+            raise FetchError(f"disk full on node {self.node!r}: fetching {job.digest} needs {needed:,} more bytes "
+                             f"under {self.store.root}, which has {free:,} bytes free{pending} and keeps "
+                             f"{self.reserve:,} in reserve (fleet-agent serve --disk-reserve)", "disk_full")
+        self._claims[job.digest] = needed
+
+    def _disk_error(self, exc: OSError, part: Path) -> FetchError:
+        part.unlink(missing_ok=True)  # nothing to resume onto a disk that cannot take it: give the space back
+        free = shutil.disk_usage(self.store.root).free
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return FetchError(f"disk full on node {self.node!r} while writing {part.name}: {free:,} bytes free under "
+                              f"{self.store.root} (reserve {self.reserve:,}); the partial file was removed",
+                              "disk_full")
+        return FetchError(f"cannot write {part} on node {self.node!r}: {exc.strerror or exc}; the partial file "
+                          "was removed", "disk_error")
 
     async def _fetch(self, job: Job) -> None:
         if job.layers is not None:
@@ -121,6 +196,7 @@ class Fetcher:
         else:
             manifest = await self._manifest(job, job.digest)
         job.bytes_total = sum(f["size"] for f in manifest["files"])
+        self._claim(job, manifest)
         blobs: dict[str, str] = {}
         for f in manifest["files"]:
             if f.get("assembled"):
@@ -128,8 +204,7 @@ class Fetcher:
                 segments = [Segment("the slice header", len(header), f["header_sha256"], data=header)]
                 segments += [Segment(f"tensor {t['name']}", t["end"] - t["begin"], t["sha256"],
                                      blob=t["source"]["sha256"], begin=t["source"]["begin"]) for t in f["tensors"]]
-                part = self.store.partial / f"{job.digest[7:]}-{hashlib.sha256(f['path'].encode()).hexdigest()[:16]}.part"
-                blobs[f["path"]] = await self._assemble(job, part, segments, f["path"])
+                blobs[f["path"]] = await self._assemble(job, self._part(job, f), segments, f["path"])
             else:
                 blobs[f["path"]] = f["sha256"]
                 lock = self._locks.setdefault(f["sha256"], trio.Lock())
@@ -138,40 +213,46 @@ class Fetcher:
                         job.bytes_done += f["size"]
                         continue
                     seg = Segment(f"file {f['path']}", f["size"], f["sha256"], blob=f["sha256"])
-                    await self._assemble(job, self.store.partial / f"{f['sha256']}.part", [seg], f["path"])
-        self.store.commit(job.digest, manifest, blobs, job.name)
+                    await self._assemble(job, self._part(job, f), [seg], f["path"])
+        try:
+            await trio.to_thread.run_sync(self.store.commit, job.digest, manifest, blobs, job.name)
+        except OSError as exc:
+            no_room = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise FetchError(f"{'disk full' if no_room else 'disk error'} on node {self.node!r} while storing "
+                             f"{job.digest}: {exc.strerror or exc}", "disk_full" if no_room else "disk_error") from None
 
     async def _assemble(self, job: Job, part: Path, segments: list[Segment], path: str) -> str:
         """Write `segments` into `part`, keeping and re-hashing what an earlier attempt left there;
         verify each segment; move the file into the store. Returns its sha256."""
+        try:
+            return await self._write(job, part, segments, path)
+        except _LocalWrite as exc:
+            raise self._disk_error(exc.error, part) from None
+        except OSError as exc:  # the peer's own errors arrive as PeerError: an OSError here is our disk's
+            raise self._disk_error(exc, part) from None
+
+    async def _write(self, job: Job, part: Path, segments: list[Segment], path: str) -> str:
         total = sum(s.size for s in segments)
-        have = part.stat().st_size if part.exists() else 0
-        if have > total:
-            have = 0
         # A whole file is one segment whose hash is the file's: hash it once, not twice.
         whole = hashlib.sha256() if len(segments) > 1 else None
-        with open(part, "r+b" if part.exists() else "w+b") as fh:
-            fh.truncate(have)
+        fh, have = await trio.to_thread.run_sync(_open_part, part, total)
+        with fh:
             pos = 0
             for seg in segments:
                 h = hashlib.sha256()
                 hashers = [h] if whole is None else [h, whole]
                 kept = max(0, min(seg.size, have - pos))
-                fh.seek(pos)
-                left = kept
-                while left:  # what is already on disk: re-hash locally, fetch nothing
-                    chunk = fh.read(min(CHUNK, left))
-                    if not chunk:
-                        break
-                    for x in hashers:
-                        x.update(chunk)
-                    left -= len(chunk)
+                if kept:  # what is already on disk: re-hashed off the event loop, fetched again never
+                    await trio.to_thread.run_sync(_rehash, fh, pos, kept, hashers)
                 job.bytes_done += kept
                 if kept < seg.size:
                     fh.seek(pos + kept)
 
                     def take(chunk: bytes | bytearray | memoryview) -> None:
-                        fh.write(chunk)
+                        try:
+                            fh.write(chunk)
+                        except OSError as exc:
+                            raise _LocalWrite(exc) from None
                         for x in hashers:
                             x.update(chunk)
                         job.bytes_done += len(chunk)
@@ -186,7 +267,7 @@ class Fetcher:
                                       start=seg.begin + kept, end=seg.begin + seg.size - 1,
                                       ssl_context=self.ssl_context)
                         finally:
-                            fh.flush()
+                            fh.flush()  # what arrived is kept for a resume (unless the disk is full)
                 actual = h.hexdigest()
                 if actual != seg.sha256:
                     fh.truncate(pos)  # the bad bytes are never kept
@@ -196,10 +277,35 @@ class Fetcher:
                     raise FetchError(f"digest mismatch in {seg.what} of {path} from peer {job.peer}: expected "
                                      f"sha256 {seg.sha256}, received {actual}; the bytes were discarded")
                 pos += seg.size
-            fh.flush()
-            os.fsync(fh.fileno())
-        sha = whole.hexdigest() if whole is not None else segments[0].sha256
-        dest = self.store.blob_path(sha)
-        os.replace(part, dest)
-        fsync_dir(dest.parent)
+            sha = whole.hexdigest() if whole is not None else segments[0].sha256
+            await trio.to_thread.run_sync(_install, fh, part, self.store.blob_path(sha))
         return sha
+
+
+def _open_part(part: Path, total: int) -> tuple[IO[bytes], int]:
+    """The partial file, opened for writing, and how many of its bytes an earlier attempt left."""
+    have = part.stat().st_size if part.exists() else 0
+    if have > total:
+        have = 0
+    fh = open(part, "r+b" if part.exists() else "w+b")
+    fh.truncate(have)
+    return fh, have
+
+
+def _rehash(fh: IO[bytes], pos: int, count: int, hashers: list[Any]) -> None:
+    fh.seek(pos)
+    while count:
+        chunk = fh.read(min(CHUNK, count))
+        if not chunk:
+            break
+        for x in hashers:
+            x.update(chunk)
+        count -= len(chunk)
+
+
+def _install(fh: IO[bytes], part: Path, dest: Path) -> None:
+    """fsync the verified file and move it into the store under its digest."""
+    fh.flush()
+    os.fsync(fh.fileno())
+    os.replace(part, dest)
+    fsync_dir(dest.parent)

@@ -101,14 +101,15 @@ def default_probe() -> GpuProbe:
         return NoGpus(f"NVML unavailable: {exc}")
 
 
-def measure(home: Path, probe: GpuProbe) -> Inventory:
+def measure(home: Path, probe: GpuProbe, *, reserve: int = 0) -> Inventory:
+    """The machine now; `reserve`: the bytes of the home's disk that fetches leave free."""
     mem = psutil.virtual_memory()
     disk = shutil.disk_usage(home)
     gpus = probe.gpus()
     return {
         "cores": {"logical": os.cpu_count() or 0, "usable": len(os.sched_getaffinity(0))},
         "memory": {"total_bytes": mem.total, "available_bytes": mem.available},
-        "disk": {"path": str(home), "total_bytes": disk.total, "free_bytes": disk.free},
+        "disk": {"path": str(home), "total_bytes": disk.total, "free_bytes": disk.free, "reserve_bytes": reserve},
         "gpus": [g.to_json() for g in gpus],
         "gpu_source": probe.source,
         "gpu_note": probe.note,

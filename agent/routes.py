@@ -28,6 +28,11 @@ PEER_URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 
 
+def _corrupt(ctx: AgentContext, digest: str) -> bool:
+    integrity = ctx.store.entry(digest).get("integrity")
+    return integrity is not None and integrity["state"] == "corrupt"
+
+
 def error_response(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
 
@@ -74,8 +79,8 @@ class Weights:
         body = await _json_object(request, ': {"peer": URL, ...}')
         if isinstance(body, JSONResponse):
             return body
-        if self.ctx.store.is_present(digest):
-            return JSONResponse({"digest": digest, "state": "present"})
+        if self.ctx.store.is_present(digest) and not _corrupt(self.ctx, digest):
+            return JSONResponse({"digest": digest, "state": "present"})  # a corrupt copy is fetched again
         peer = body.get("peer")
         if not isinstance(peer, str) or not PEER_URL.match(peer):
             return error_response(400, "bad_peer", "peer must be an agent URL such as http://10.0.0.2:7070")
@@ -99,13 +104,28 @@ class Weights:
     async def get(self, request: Request) -> Response:
         digest = digest_param(request)
         job = self.ctx.fetcher.jobs.get(digest)
-        if self.ctx.store.is_present(digest):
-            # The finished fetch, if this agent ran one, says how many bytes crossed the wire.
-            return JSONResponse({**self.ctx.store.entry(digest), "state": "present",
-                                 "fetch": job.to_json() if job is not None else None})
+        # A held model fetched again because it was found corrupt: the fetch answers until it ends.
+        if self.ctx.store.is_present(digest) and (job is None or job.state != "fetching"):
+            entry = self.ctx.store.entry(digest)
+            if not _corrupt(self.ctx, digest):
+                # The finished fetch, if this agent ran one, says how many bytes crossed the wire.
+                return JSONResponse({**entry, "state": "present", "fetch": job.to_json() if job is not None else None})
+            if job is None or job.state != "failed":
+                return JSONResponse({**entry, "state": "corrupt"})
         if job is not None:
             return JSONResponse(job.to_json())
         return JSONResponse({"digest": digest, "state": "absent"}, status_code=404)
+
+    async def verify(self, request: Request) -> Response:
+        """Re-hash a held model now (after a verification already running) and answer what was found."""
+        digest = digest_param(request)
+        if self.ctx.verifier is None:
+            return error_response(409, "verify_unsupported", "this agent holds no bytes to verify (simulated)")
+        try:
+            integrity = await self.ctx.verifier.verify(digest)
+        except StoreError as exc:
+            return error_response(404, "weights_not_held", str(exc))
+        return JSONResponse({"digest": digest, "integrity": integrity})
 
     async def delete(self, request: Request) -> Response:
         digest = digest_param(request)
@@ -210,6 +230,7 @@ def table(ctx: AgentContext) -> list[Route]:
             Route("/v1/weights/{digest}", weights.get, methods=["GET"]),
             Route("/v1/weights/{digest}", weights.put, methods=["PUT"]),
             Route("/v1/weights/{digest}", weights.delete, methods=["DELETE"]),
+            Route("/v1/weights/{digest}/verify", weights.verify, methods=["POST"]),
             Route("/v1/servers", servers.list, methods=["GET"]),
             Route("/v1/servers", servers.post, methods=["POST"]),
             Route("/v1/servers/{sid}", servers.get, methods=["GET"]),

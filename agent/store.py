@@ -1,6 +1,8 @@
 """The content-addressed weight store under the agent's home: blobs by sha256, manifests by model
 digest, and a model directory of hard links that engines load. A model is present only once its
-manifest is written, which happens last, after every file is complete, verified and fsynced."""
+manifest is written, which happens last, after every file is complete, verified and fsynced. What
+the last verification of a model found (agent/verify.py) is kept beside it, so that a model found
+corrupt stays corrupt across restarts until it is fetched again or passes a verification."""
 
 from __future__ import annotations
 
@@ -8,12 +10,13 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 from wire import manifest as mf
-from wire.state import WeightsEntry
+from wire.state import Integrity, WeightsEntry
 
 CHUNK = 1 << 20
 _SKIP_DIRS = {".git", ".cache", "__pycache__"}
@@ -47,6 +50,23 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Replace `path` with `value` as JSON, whole or not at all, durably."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(value, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+UNVERIFIED: Integrity = {"state": "unverified", "checked_at": None, "file": None, "reason": None}
 
 
 class Store:
@@ -88,6 +108,49 @@ class Store:
     def load_manifest(self, digest: str) -> dict[str, Any]:
         return json.loads(self.manifest_bytes(digest))  # type: ignore[no-any-return]
 
+    # ---- integrity: what the last verification found ----
+
+    def _integrity_path(self, digest: str) -> Path:
+        return self.meta / f"{mf.check_digest(digest)}.integrity.json"
+
+    def integrity(self, digest: str) -> Integrity:
+        try:
+            found = json.loads(self._integrity_path(digest).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return UNVERIFIED.copy()
+        if not isinstance(found, dict) or found.get("state") not in ("verified", "corrupt"):
+            return UNVERIFIED.copy()
+        return {"state": found["state"], "checked_at": found.get("checked_at"), "file": found.get("file"),
+                "reason": found.get("reason")}
+
+    def is_corrupt(self, digest: str) -> bool:
+        return self.integrity(digest)["state"] == "corrupt"
+
+    def record(self, digest: str, problems: list[tuple[str, str]]) -> Integrity:
+        """Keep what a verification of `digest` found: nothing (verified), or its bad files as
+        (path, reason). A bad file's blob is unlinked as well, so that peers are not served it and
+        the next fetch of the model fetches it again instead of finding it held."""
+        model_dir, blobs = self.model_dir(digest), self.file_blobs(digest)
+        bad = {path for path, _ in problems}
+        for path, sha in blobs.items():
+            held, blob = model_dir / mf.safe_relpath(path), self.blob_path(sha)
+            if path in bad:
+                if blob.exists() and (not held.exists() or os.path.samefile(blob, held)):
+                    blob.unlink(missing_ok=True)
+            elif not blob.exists() and held.exists():  # found bad once, good again: peers may have it back
+                try:
+                    os.link(held, blob)
+                except FileExistsError:
+                    pass
+        first = problems[0] if problems else (None, None)
+        result: Integrity = {"state": "corrupt" if problems else "verified", "checked_at": now(),
+                             "file": first[0], "reason": first[1]}
+        if len(problems) > 1:
+            result["reason"] = f"{first[1]} (and {len(problems) - 1} more file(s): " \
+                               f"{', '.join(p for p, _ in problems[1:4])}{'…' if len(problems) > 4 else ''})"
+        write_json(self._integrity_path(digest), result)
+        return result
+
     # ---- writing ----
 
     def commit(self, digest: str, manifest: dict[str, Any], file_blobs: dict[str, str], name: str) -> None:
@@ -96,16 +159,24 @@ class Store:
         if mf.digest_of(manifest) != digest:
             raise StoreError(f"manifest does not hash to {digest}")
         final = self.model_dir(digest)
-        if not final.exists():
+        if not self._linked(final, file_blobs):
             tmp = self.models / f".tmp-{digest[7:]}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             for path, sha in file_blobs.items():
                 dest = tmp / mf.safe_relpath(path)
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 os.link(self.blob_path(sha), dest)
-            os.replace(tmp, final)
-        (self.meta / f"{digest[7:]}.json").write_text(json.dumps(
-            {"name": name, "files": file_blobs, "committed_at": datetime.now(timezone.utc).isoformat()}))
+            if final.exists():  # a model fetched again (it was found corrupt): the old links go
+                old = self.models / f".old-{digest[7:]}-{os.getpid()}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+        write_json(self.meta / f"{digest[7:]}.json", {"name": name, "files": file_blobs, "committed_at": now()})
+        # Every byte was just hashed on its way in: the model is verified as of now.
+        write_json(self._integrity_path(digest), {"state": "verified", "checked_at": now(), "file": None,
+                                                  "reason": None})
         tmp_manifest = self.manifests / f".{digest[7:]}.tmp"
         with open(tmp_manifest, "wb") as fh:
             fh.write(body)
@@ -113,6 +184,13 @@ class Store:
             os.fsync(fh.fileno())
         os.replace(tmp_manifest, self.manifest_path(digest))
         fsync_dir(self.manifests)
+
+    def _linked(self, model_dir: Path, file_blobs: dict[str, str]) -> bool:
+        """Whether `model_dir` holds exactly the links to these blobs (not, say, a corrupt file's)."""
+        try:
+            return all(os.path.samefile(model_dir / path, self.blob_path(sha)) for path, sha in file_blobs.items())
+        except OSError:
+            return False
 
     def delete(self, digest: str) -> None:
         path = self.manifest_path(digest)
@@ -122,6 +200,7 @@ class Store:
         fsync_dir(self.manifests)
         shutil.rmtree(self.model_dir(digest), ignore_errors=True)
         (self.meta / f"{digest[7:]}.json").unlink(missing_ok=True)
+        self._integrity_path(digest).unlink(missing_ok=True)
         referenced = {sha for d in self.digests() for sha in self.file_blobs(d).values()}
         for blob in self.blobs.iterdir():
             if blob.name not in referenced:
@@ -150,7 +229,7 @@ class Store:
         path = model_dir / m["files"][0]["path"] if m["format"] == "gguf" else model_dir
         return {"digest": digest, "name": name, "format": m["format"],
                 "bytes": sum(f["size"] for f in m["files"]), "layers": m.get("layers"),
-                "slice": m.get("slice"), "path": str(path)}
+                "slice": m.get("slice"), "path": str(path), "integrity": self.integrity(digest)}
 
     def entries(self) -> list[WeightsEntry]:
         return [self.entry(d) for d in self.digests()]

@@ -103,6 +103,14 @@ def _told(path: Path | None) -> str | None:
     return text.splitlines()[0][:2000] if text else None
 
 
+def _refuse_corrupt(entry: WeightsEntry) -> None:
+    integrity = entry.get("integrity")
+    if integrity is not None and integrity["state"] == "corrupt":
+        raise Refused(409, "model_corrupt", f"model {entry['digest']} is corrupt on this node: {integrity['file']}: "
+                                            f"{integrity['reason']} (found {integrity['checked_at']}); no server "
+                                            "starts on it until it is fetched again from a good copy (fleet apply)")
+
+
 class Workers:
     """The agent's table of servers, and the supervision of each one's process."""
 
@@ -131,6 +139,7 @@ class Workers:
         if not self.store.is_present(digest):
             raise Refused(409, "model_not_held", f"{what} {digest} is not held on this node; replicate it first")
         entry = self.store.entry(digest)
+        _refuse_corrupt(entry)
         if entry["slice"]:
             raise Refused(409, "model_is_slice", f"{what} {digest} is held only as a slice (layers "
                                                  f"{entry['slice']['layers']}); a slice is served only as a "
@@ -142,6 +151,7 @@ class Workers:
         if not self.store.is_present(digest):
             raise Refused(409, "model_not_held", f"model {digest} is not held on this node; replicate it first")
         entry = self.store.entry(digest)
+        _refuse_corrupt(entry)
         rank = details["rank"]
         wanted = LayerRange.parse(details["stages"][rank]["layers"])
         held = entry["slice"]

@@ -22,6 +22,7 @@ class HeldModel:
     layers: str | None = None
     name: str = ""
     path: str = ""  # where the agent keeps it: scrubbed from answers relayed to clients
+    corrupt: str | None = None  # the agent's verification found it bad: "FILE: REASON"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,7 @@ class ObservedNode:
     identity: str | None = None
     observed_at: str | None = None  # the agent's own clock, with its UTC offset
     disk_free: int = 0
+    disk_reserve: int = 0  # of disk_free, what the agent keeps free (its fetches never use it)
     gpus: tuple[tuple[str, int, int], ...] = ()  # (name, free bytes, total bytes)
     simulated: bool = False
     inside_window: bool = True
@@ -103,8 +105,11 @@ def node_from_state(name: str, state: dict[str, Any]) -> ObservedNode:
     weights = {}
     for w in state.get("weights", []):
         sl = w.get("slice") or {}
+        integrity = w.get("integrity") or {}
+        corrupt = f"{integrity.get('file')}: {integrity.get('reason')}" if integrity.get("state") == "corrupt" else None
         weights[w["digest"]] = HeldModel(w["digest"], w.get("format", ""), int(w.get("bytes", 0)),
-                                         sl.get("of"), sl.get("layers"), w.get("name") or "", w.get("path") or "")
+                                         sl.get("of"), sl.get("layers"), w.get("name") or "", w.get("path") or "",
+                                         corrupt)
     servers = {s["id"]: ObservedServer(s["id"], s.get("state", ""), s.get("model", ""), int(s.get("port", 0)),
                                        dict(s.get("settings") or {}), s.get("reason"),
                                        (s.get("pipeline") or {}).get("group"))
@@ -112,6 +117,7 @@ def node_from_state(name: str, state: dict[str, Any]) -> ObservedNode:
     return ObservedNode(
         name=name, identity=state.get("identity", {}).get("id"), observed_at=state.get("observed_at"),
         disk_free=int(inv.get("disk", {}).get("free_bytes", 0)),
+        disk_reserve=int(inv.get("disk", {}).get("reserve_bytes", 0)),
         gpus=tuple((g["name"], int(g["memory_free_bytes"]), int(g["memory_total_bytes"])) for g in inv.get("gpus", [])),
         simulated=bool(inv.get("simulated")), inside_window=bool(avail.get("inside", True)),
         windows=tuple(avail.get("windows", [])), weights=weights,

@@ -123,7 +123,7 @@ class _Planner:
         for node in self.d.nodes:
             for digest, want in wants[node].items():
                 obs = self.ok.get(node)
-                if obs is None or digest in obs.weights:
+                if obs is None or (digest in obs.weights and not obs.weights[digest].corrupt):
                     continue
                 if want.model.encrypted and node != self.cp:
                     self.diags.append(error(
@@ -136,13 +136,18 @@ class _Planner:
         for digest, targets in by_digest.items():
             want = targets[0][1]
             full = want.source_digest or digest
-            holders = [n for n, obs in self.ok.items() if full in obs.weights]
+            holders = [n for n, obs in self.ok.items() if full in obs.weights and not obs.weights[full].corrupt]
             holders.sort(key=lambda n: (n != want.model.source, list(self.d.nodes).index(n)))
+            spoiled = [f"{n} ({obs.weights[full].corrupt})" for n, obs in self.ok.items()
+                       if full in obs.weights and obs.weights[full].corrupt]
             if not holders:
                 for node, w in targets:
                     summary = (f"the source node {node!r} does not hold {w.model.name!r} ({full}), and no other "
                                "reachable node does" if node == w.model.source else
                                f"no reachable node holds {w.model.name!r} ({full}) to replicate to {node!r}")
+                    if spoiled:
+                        summary = (f"no reachable node holds a good copy of {w.model.name!r} ({full}) to replicate to "
+                                   f"{node!r}: the copy on {', '.join(spoiled)} is corrupt")
                     self.diags.append(error("source_missing", summary,
                                             f"Import it on {w.model.source!r}: fleet-agent import PATH.",
                                             address=replica_address(w.address_model, node)))
@@ -159,14 +164,23 @@ class _Planner:
                 if w.layers is not None and w.source_digest is not None:
                     details["layers"], details["source_digest"] = str(w.layers), w.source_digest
                 what = f"copy of layers {w.layers} of {w.model.name}" if w.layers else f"replica of {w.model.name}"
+                bad = self.ok[node].weights.get(w.digest)
+                if bad is not None and bad.corrupt:  # held, but its agent found it corrupt: fetched again
+                    self.changes.append(Change(Action.REPLACE, replica_address(w.address_model, node), node,
+                                               f"{node}'s {what} is corrupt ({bad.corrupt}); fetch {w.bytes:,} "
+                                               f"bytes again from {peer}", deps, details))
+                    continue
                 self.changes.append(Change(Action.REPLICATE, replica_address(w.address_model, node), node,
                                            f"{node} holds no {what}; fetch {w.bytes:,} bytes from {peer}", deps,
                                            details))
         for node, total in self.planned_bytes.items():
-            free = self.ok[node].disk_free
+            # What the agent keeps in reserve its fetches never use: it is not free for the plan either.
+            reserve = self.ok[node].disk_reserve
+            free = max(0, self.ok[node].disk_free - reserve)
             if total > free:
+                kept = f" (less the {reserve:,} its agent keeps in reserve)" if reserve else ""
                 self.diags.append(error("insufficient_disk", f"{node!r} needs {total:,} bytes for the weights "
-                                        f"planned there but has {free:,} free", address=f"node.{node}"))
+                                        f"planned there but has {free:,} free{kept}", address=f"node.{node}"))
 
     # ---- servers ----
 
@@ -204,7 +218,7 @@ class _Planner:
 
     def servers(self, wants: dict[str, dict[str, Want]]) -> set[tuple[str, str]]:
         desired_ids: set[tuple[str, str]] = set()
-        replicating = {ch.address for ch in self.changes if ch.action is Action.REPLICATE}
+        replicating = {ch.address for ch in self.changes if ch.action is Action.REPLICATE or "peer" in ch.details}
         for c in self.d.clusters.values():
             model = self.d.models[c.model]
             if c.pipeline is not None:
@@ -254,10 +268,14 @@ class _Planner:
                         diffs.insert(0, f"model {current.model[:19]}… → {model.digest[:19]}…")
                     if current.port != c.port:
                         diffs.insert(0, f"port {current.port} → {c.port}")
-                    if diffs:
+                    held = obs.weights.get(current.model)
+                    corrupt = held.corrupt if held is not None else None
+                    if diffs or corrupt:
                         before = RunningServer(model=current.model, port=current.port, settings=current.settings)
-                        change = Change(Action.REPLACE, address, node, "changed: " + "; ".join(diffs),
-                                        tuple(deps), ReplaceDetails(**details, before=before))
+                        why = ("changed: " + "; ".join(diffs) if diffs else
+                               f"it serves weights found corrupt ({corrupt}); start it again on the copy fetched again")
+                        change = Change(Action.REPLACE, address, node, why, tuple(deps),
+                                        ReplaceDetails(**details, before=before))
                 if change is not None:
                     self.changes.append(change)
                     previous = address
@@ -311,7 +329,7 @@ class _Planner:
     # ---- drift ----
 
     def drift(self, wants: dict[str, dict[str, Want]], desired_ids: set[tuple[str, str]]) -> None:
-        replacing = [ch for ch in self.changes if ch.action is Action.REPLACE]
+        replacing = [ch for ch in self.changes if ch.action is Action.REPLACE and "before" in ch.details]
         for node, obs in self.ok.items():
             # Weights are deleted after the servers using them stop, or are replaced by ones that do not.
             stopping: dict[str, list[str]] = {}
@@ -346,7 +364,8 @@ class _Planner:
         self.changes = [Change(ch.action, ch.address, ch.node, ch.reason, ch.depends_on + tuple(dict.fromkeys(
                             stops.get(ch.node, []) + (stops.get("cluster:" + ch.details["cluster"], [])
                                                       if group_of(ch) else []))),
-                               ch.details, ch.drift) if ch.action in (Action.START, Action.REPLACE) else ch
+                               ch.details, ch.drift)
+                        if ch.action in (Action.START, Action.REPLACE) and "server_id" in ch.details else ch
                         for ch in self.changes]
 
     def windows(self) -> None:

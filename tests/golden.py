@@ -71,6 +71,8 @@ def snapshot(fleet: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
                 entry.update(digest=mf.digest_of(sliced), slice=sliced["slice"])
             if "digest" in w:
                 entry["digest"] = w["digest"]
+            if "corrupt" in w:  # {file, reason}: what the agent's verification found
+                entry["integrity"] = {"state": "corrupt", "checked_at": "2026-11-30T11:00:00+00:00", **w["corrupt"]}
             weights.append(entry)
         servers = [{"id": s["id"], "state": s.get("state", "running"), "model": models[s["model"]]["digest"]
                     if s["model"] in models else s["model"], "port": s["port"], "settings": s.get("settings", {}),
@@ -86,7 +88,8 @@ def snapshot(fleet: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
             "identity": {"id": n.get("identity", "0" * 32), "name": name, "enrolled_at": "2026-01-01T00:00:00Z"},
             "agent_version": "test", "variant": {"accelerator": "cpu"}, "observed_at": n.get("time", "2026-11-30T12:00:00+00:00"),
             "inventory": {"cores": {"logical": 8, "usable": 8}, "memory": {"total_bytes": 1, "available_bytes": 1},
-                          "disk": {"free_bytes": size(n.get("disk_free", "1T")), "total_bytes": size("2T")},
+                          "disk": {"free_bytes": size(n.get("disk_free", "1T")), "total_bytes": size("2T"),
+                                   "reserve_bytes": size(n.get("disk_reserve", 0))},
                           "gpus": [{"name": "GPU", "uuid": f"GPU-{i}", "memory_total_bytes": size(g),
                                     "memory_free_bytes": size(g)} for i, g in enumerate(n.get("gpus", []))],
                           "simulated": True},
@@ -125,7 +128,7 @@ def render_lines(p: Plan) -> dict[str, Any]:
     changes = []
     for c in p.changes:
         line = f"{c.action.value} {c.address}"
-        if c.action.value == "replicate":
+        if "peer" in c.details:  # a replicate, or the replace of a corrupt replica
             line += f" from {c.details['peer']}"
         if c.depends_on:
             line += " after " + ", ".join(c.depends_on)

@@ -3,11 +3,17 @@ corruption caught, layer slices, and untrusted input refused."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import shutil
 import signal
+import subprocess
+import threading
 import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -15,7 +21,8 @@ import httpx
 import pytest
 from safetensors.numpy import load_file
 
-from tests.agents import SECRET, Agent, free_port
+from tests.agents import SECRET, Agent, agent_env, free_port
+from tests.conftest import fleet_bin
 from tests.fleets import import_model
 from tests.models import tiny_gguf, tiny_safetensors
 from wire import manifest as mf
@@ -247,3 +254,188 @@ def test_resume_after_the_peer_dies_mid_transfer(tmp_path: Path) -> None:
     finally:
         src.stop()
         dst.stop()
+
+
+# ---- disk work off the event loop, and a disk that is (nearly) full ----
+
+def sparse_gguf(path: Path, size: int) -> Path:
+    """A GGUF-looking file of `size` bytes, nearly all a hole: hashing it costs CPU, writing it nothing."""
+    with open(path, "wb") as fh:
+        fh.write(b"GGUF")
+        fh.truncate(size)
+    return path
+
+
+def import_linked(agent: Agent, path: Path) -> str:
+    proc = subprocess.run([fleet_bin("fleet-agent"), "import", "--home", str(agent.home), str(path), "--json",
+                           "--link"], capture_output=True, text=True, timeout=300, env=agent_env(), check=True)
+    return str(json.loads(proc.stdout)["digest"])
+
+
+def test_a_resume_rehashes_what_it_finds_without_stalling_the_api(tmp_path: Path) -> None:
+    """A fetch that finds all but the last byte of 512 MiB on disk re-hashes it (seconds here) and
+    fetches one byte; GET /v1/state answers meanwhile as usual."""
+    port = free_port("127.0.0.2", "127.0.0.3")
+    src = Agent("src", "127.0.0.2", port, tmp_path / "src", args=["--verify-every", "off"]).start()
+    dst = Agent("dst", "127.0.0.3", port, tmp_path / "dst", args=["--verify-every", "off"]).start()
+    try:
+        size = 512 << 20
+        digest = import_linked(src, sparse_gguf(tmp_path / "big.gguf", size))
+        sha = json.loads(src.get(f"/v1/manifests/{digest}").content)["files"][0]["sha256"]
+        sparse_gguf(dst.home / "store" / "partial" / f"{sha}.part", size - 1)  # an earlier attempt's bytes
+        began = time.monotonic()
+        assert put(dst, digest, src).status_code == 202
+        slowest = 0.0
+        while True:
+            asked = time.monotonic()
+            progress = dst.get(f"/v1/weights/{digest}").json()
+            assert dst.get("/v1/state").status_code == 200
+            slowest = max(slowest, (time.monotonic() - asked) / 2)
+            if progress["state"] != "fetching":
+                break
+            time.sleep(0.01)
+        took = time.monotonic() - began
+        assert progress["state"] == "present", progress
+        assert progress["fetch"]["bytes_fetched"] == 1  # the rest was found on disk and verified
+        assert took > 1, took  # long enough for a stall to show
+        assert slowest < took / 3, (slowest, took)
+    finally:
+        src.stop()
+        dst.stop()
+
+
+@contextmanager
+def tmpfs(path: Path, size: str = "50m") -> Iterator[Path]:
+    """A real small filesystem (root only): skipped, saying why, where mounting is not permitted."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a {size} tmpfs (needs root and CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def free(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def test_a_fetch_past_the_reserve_is_refused_naming_node_and_free_space(tmp_path: Path) -> None:
+    port = free_port("127.0.0.2", "127.0.0.3")
+    src = Agent("src", "127.0.0.2", port, tmp_path / "src", args=["--verify-every", "off"]).start()
+    with tmpfs(tmp_path / "small") as small:
+        dst = Agent("dst", "127.0.0.3", port, small / "dst").start()  # default reserve: a tenth of 50 MiB
+        try:
+            model = tmp_path / "big.gguf"
+            model.write_bytes(b"GGUF" + os.urandom((64 << 20) - 4))  # more than the whole disk
+            digest = import_model(src, model)
+            disk = dst.get("/v1/state").json()["inventory"]["disk"]
+            assert disk["reserve_bytes"] == (50 << 20) // 10
+            before = free(small)
+            put(dst, digest, src)
+            failed = wait(dst, digest)
+            assert failed["state"] == "failed" and failed["code"] == "disk_full" and not failed["resumable"], failed
+            assert "disk full on node 'dst'" in failed["error"] and "bytes free" in failed["error"], failed
+            assert f"{disk['reserve_bytes']:,} in reserve" in failed["error"], failed
+            assert list((small / "dst" / "store" / "partial").iterdir()) == []
+            assert free(small) >= before - (64 << 10), (free(small), before)  # nothing was written
+        finally:
+            dst.stop()
+
+
+def test_two_fetches_that_fit_only_one_at_a_time(tmp_path: Path) -> None:
+    """Each fits the free space alone: the second one started is refused, naming what the first
+    has promised, instead of both failing halfway with the disk full."""
+    port = free_port("127.0.0.2", "127.0.0.3")
+    src = Agent("src", "127.0.0.2", port, tmp_path / "src", args=["--verify-every", "off"]).start()
+    with tmpfs(tmp_path / "small") as small:
+        dst = Agent("dst", "127.0.0.3", port, small / "dst", args=["--disk-reserve", "0"]).start()
+        try:
+            digests = []
+            for i in range(2):
+                model = tmp_path / f"m{i}.gguf"
+                model.write_bytes(b"GGUF" + os.urandom((30 << 20) - 4))
+                digests.append(import_model(src, model))
+            for d in digests:
+                put(dst, d, src)
+            results = [wait(dst, d) for d in digests]
+            assert sorted(r["state"] for r in results) == ["failed", "present"], results
+            refused = next(r for r in results if r["state"] == "failed")
+            assert refused["code"] == "disk_full" and "promised to fetches running" in refused["error"], refused
+            assert [p.name for p in (small / "dst" / "store" / "partial").iterdir()] == []
+        finally:
+            dst.stop()
+
+
+class SlowPeer:
+    """A peer serving one GGUF model: its manifest, then its blob, held halfway until `go` is set."""
+
+    def __init__(self, address: str, port: int, data: bytes, held_at: int) -> None:
+        sha = hashlib.sha256(data).hexdigest()
+        manifest = {"version": 1, "format": "gguf", "layers": None, "slice": None,
+                    "files": [{"path": "m.gguf", "size": len(data), "sha256": sha}]}
+        self.digest, self.go = mf.digest_of(manifest), threading.Event()
+        routes = {f"/v1/manifests/{self.digest}": mf.canonical(manifest), f"/v1/blobs/{sha}": data}
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = routes[self.path]
+                self.send_response(200)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body[:held_at])
+                if len(body) > held_at:
+                    outer.go.wait(60)
+                    self.wfile.write(body[held_at:])
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((address, port), Handler)
+        self.url = f"http://{address}:{port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.go.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_disk_that_fills_during_a_fetch_is_named_and_given_back(tmp_path: Path) -> None:
+    """The fetch fits when it starts; something else fills the disk while it runs: it fails as
+    disk_full naming the node and the free space, not as a resumable broken connection, and its
+    partial file is removed."""
+    port = free_port("127.0.0.2", "127.0.0.3")
+    peer = SlowPeer("127.0.0.2", port, b"GGUF" + os.urandom((30 << 20) - 4), held_at=10 << 20)
+    with tmpfs(tmp_path / "small") as small:
+        dst = Agent("dst", "127.0.0.3", port, small / "dst", args=["--disk-reserve", "0"]).start()
+        try:
+            before = free(small)
+            assert httpx.put(f"{dst.url}/v1/weights/{peer.digest}", json={"peer": peer.url}, headers=AUTH,
+                             timeout=10).status_code == 202
+            partial = small / "dst" / "store" / "partial"
+            deadline = time.monotonic() + 30
+            while sum(p.stat().st_size for p in partial.iterdir()) < 10 << 20:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with open(small / "filler", "wb") as filler:  # another writer takes what is left
+                try:
+                    while True:
+                        filler.write(b"\0" * (1 << 20))
+                        filler.flush()
+                except OSError:
+                    pass
+            peer.go.set()
+            failed = wait(dst, peer.digest)
+            assert failed["state"] == "failed" and failed["code"] == "disk_full" and not failed["resumable"], failed
+            assert "disk full on node 'dst' while writing" in failed["error"] and "bytes free" in failed["error"]
+            assert "partial file was removed" in failed["error"], failed
+            assert list(partial.iterdir()) == []
+            (small / "filler").unlink()
+            assert free(small) >= before - (64 << 10), (free(small), before)  # the space is given back
+        finally:
+            dst.stop()
+            peer.close()
