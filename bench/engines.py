@@ -3,12 +3,13 @@ streams in one run: aggregate tokens/s, the ratio, and each stream's time to fir
 against the single stream's. Targets (issue 13), PyTorch engine: 8 streams >= 3x one stream, no
 stream's TTFT worse than 2x the single-stream figure.
 
-Engines, each started as the agent starts it (with --threads T):
-  torch        python -m agent.backends.torch_worker (the batched engine), on the float32 twin
-               made by `fleet-agent convert` (cached under .pytest_cache/fleet-models)
-  llama_cpp    python -m llama_cpp.server on the GGUF, as launched today
-  llama_cpp_ni the same with --interrupt_requests False (the server's default, True, ends a stream
-               early with [DONE] whenever another request arrives: see "cut")
+Engines, each started with the argv of its launch spec (agent/backends/torch.py, llama_cpp.py),
+threads T and a context of 2048:
+  torch        agent.backends.torch_worker (the batched engine), on the float32 twin made by
+               `fleet-agent convert` (the tests' copy under .pytest_cache/d/fleet-models)
+  llama_cpp    agent.backends.llama_cpp_worker (llama-cpp-python's server app) on the GGUF
+  llama_cpp_ni the same with --interrupt_requests False (the server's default, True, ends a running
+               stream early whenever another request arrives: see "cut")
   llama_cpp_xN N such servers (N = --procs, each with T threads), streams spread round-robin:
                what several engine processes behind the router give
   llama_cpp_batch  the bindings' batched decoding (llama_batch over n sequences), in process
@@ -18,9 +19,12 @@ Each stream asks for a story (greedy, --tokens new tokens, counted from the usag
 chunks) and sends its requests back to back. Three runs per engine: 1 stream (--requests in a
 row); n at once (n requests arriving together, as one padded batch would take them); n streams
 (--requests each, stream i starting i/n of a request's time after the first, as users arrive).
-TTFT ratios are against the single stream's median in the same round; "cut" counts answers that
-ended short of their tokens without finish_reason stop (a silent cut). Each round runs the three
-one after the other and the last line per engine is the median over rounds (--rounds).
+TTFT ratios are against the single stream's median in the same round (n streams: each stream's
+requests after its first, i.e. once the others run); "cut" counts answers that ended short of
+their tokens without finish_reason stop (a silent cut). Each round runs the three one after the
+other and the last line per engine is the median over rounds (--rounds). "per CPU-s" divides
+tokens by the CPU time of the engine's processes instead of wall time: on a machine shared with
+other work, the wall-time ratios move with the neighbours' load, these far less.
 
     .venv/bin/python bench/engines.py [--engines torch,llama_cpp_ni] [--threads 1] [--tokens 32]
         [--requests 3] [--streams 8] [--procs 2] [--rounds 2]
@@ -37,11 +41,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 
 from reconciler.netutil import free_port  # noqa: E402
 from tests.models import smollm2_gguf, smollm2_safetensors  # noqa: E402
@@ -58,19 +63,40 @@ class Result:
     ttft: float
     tokens: int
     finish: str | None
+    start: float  # perf_counter when sent
+    times: tuple[float, ...]  # perf_counter of each content chunk
+
+    def in_window(self, a: float, b: float) -> float:
+        """Tokens that arrived within [a, b] (each chunk weighs tokens/chunks)."""
+        return sum(a <= t <= b for t in self.times) * self.tokens / max(len(self.times), 1)
+
+
+Launch = Callable[[str, int], list[str]]  # (host, port) -> argv
+
+
+def launch(spec: Any, path: Path, threads: int, *extra: str) -> Launch:
+    """The argv the agent would run for this engine (its launch spec), plus `extra` options."""
+    def argv(host: str, port: int) -> list[str]:
+        cmd = spec.command(str(path), host, port, {"threads": threads, "context_length": 2048}, _no_draft)
+        return [*cmd.argv, *extra]
+    return argv
+
+
+def _no_draft(digest: str, what: str) -> str:
+    raise SystemExit(f"bench/engines runs no {what}")
 
 
 class Engine:
     """One or more engine processes on loopback, stopped by stop()."""
 
-    def __init__(self, argvs: list[list[str]], health: str) -> None:
+    def __init__(self, argvs: list[Launch], health: str) -> None:
         self.urls: list[str] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         for argv in argvs:
             port = free_port(HOST)
             self.urls.append(f"http://{HOST}:{port}")
-            self.procs.append(subprocess.Popen([*argv, "--host", HOST, "--port", str(port)],
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.procs.append(subprocess.Popen(argv(HOST, port), stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL))
         for url, proc in zip(self.urls, self.procs):
             deadline = time.monotonic() + 300
             while True:
@@ -81,8 +107,12 @@ class Engine:
                     pass
                 if proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise SystemExit(f"engine {argv} did not come up")
+                    raise SystemExit(f"engine {proc.args!r} did not come up")
                 time.sleep(0.2)
+
+    def cpu(self) -> float:
+        """CPU seconds used so far by the engine processes (all their threads)."""
+        return sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in self.procs)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -98,7 +128,8 @@ def ask(client: httpx.Client, url: str, topic: str, tokens: int) -> Result:
     body = {"model": "m", "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
             "max_tokens": tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, chunks, usage, finish = 0.0, 0, None, None
+    times: list[float] = []
+    usage, finish = None, None
     try:
         with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             r.raise_for_status()
@@ -110,12 +141,12 @@ def ask(client: httpx.Client, url: str, topic: str, tokens: int) -> Result:
                     usage = event["usage"]["completion_tokens"]
                 for c in event.get("choices") or []:
                     if c.get("delta", {}).get("content"):
-                        chunks += 1
-                        ttft = ttft or time.perf_counter() - t0
+                        times.append(time.perf_counter())
                     finish = c.get("finish_reason") or finish
     except httpx.HTTPError:  # a stream the engine broke off counts as cut, with what it delivered
         finish = "broken"
-    return Result(ttft or time.perf_counter() - t0, usage if usage is not None else chunks, finish)
+    ttft = (times[0] if times else time.perf_counter()) - t0
+    return Result(ttft, usage if usage is not None else len(times), finish, t0, tuple(times))
 
 
 def streams(urls: list[str], n: int, requests: int, tokens: int, stagger: float = 0.0) -> tuple[float, list[list[Result]]]:
@@ -142,30 +173,55 @@ def streams(urls: list[str], n: int, requests: int, tokens: int, stagger: float 
 
 def measure(name: str, engine: Engine, args: argparse.Namespace) -> None:
     """Rounds of (1 stream, n at once, n staggered streams), one after the other, so that a change
-    in the machine's load hits all three alike; ratios are taken within a round, then the median."""
+    in the machine's load hits all three alike; ratios are taken within a round, then the median.
+    The staggered run is measured over the window in which all n streams are running (ramp-up
+    and ramp-down left out). Tokens per CPU-second of the engine's processes is printed too: on a
+    shared machine it moves far less with the neighbours' load than tokens per wall second."""
     with httpx.Client(timeout=600) as client:
         ask(client, engine.urls[0], "warming up", 4)
     n, rows = args.streams, []
+
+    def phase(count: int, requests: int, stagger: float = 0.0) -> tuple[float, float, list[list[Result]]]:
+        samples: list[tuple[float, float]] = []
+        done = threading.Event()
+
+        def sample() -> None:  # the engine's CPU time, to be read over any window of the run
+            while not done.wait(0.1):
+                samples.append((time.perf_counter(), engine.cpu()))
+        sampler = threading.Thread(target=sample)
+        samples.append((time.perf_counter(), engine.cpu()))
+        sampler.start()
+        _, out = streams(engine.urls, count, requests, args.tokens, stagger)
+        done.set()
+        sampler.join()
+        samples.append((time.perf_counter(), engine.cpu()))
+        a, b = max(s[0].start for s in out), min(s[-1].times[-1] if s[-1].times else 0.0 for s in out)
+        if b <= a:  # no window with every stream running (a burst): the whole run
+            a, b = samples[0][0], samples[-1][0]
+        tokens = sum(r.in_window(a, b) for s in out for r in s)
+
+        def cpu_at(t: float) -> float:
+            return min(samples, key=lambda x: abs(x[0] - t))[1]
+        return tokens / (b - a), tokens / max(cpu_at(b) - cpu_at(a), 1e-9), out
+
     for _ in range(args.rounds):
-        wall1, one = streams(engine.urls, 1, args.requests, args.tokens)
-        tps1 = sum(r.tokens for r in one[0]) / wall1
+        tps1, cps1, one = phase(1, args.requests)
         ttft1 = statistics.median(r.ttft for r in one[0])
-        wallb, burst = streams(engine.urls, n, 1, args.tokens)
-        tpsb = sum(r.tokens for s in burst for r in s) / wallb
+        tpsb, cpsb, burst = phase(n, 1)
         # Spread arrivals: stream i joins i/n of a request's time after stream 0, as users do.
-        walls, steady = streams(engine.urls, n, args.requests, args.tokens, stagger=wall1 / args.requests / n)
-        tpss = sum(r.tokens for s in steady for r in s) / walls
+        tpss, cpss, steady = phase(n, args.requests, stagger=args.tokens / tps1 / n)
         cut = sum(1 for runs in (burst, steady) for s in runs for r in s
                   if r.tokens < args.tokens and r.finish != "stop")
-        rows.append((tps1, ttft1, tpsb, tpsb / tps1, max(s[0].ttft for s in burst) / ttft1, tpss, tpss / tps1,
-                     max(statistics.median(r.ttft for r in s) for s in steady) / ttft1,
-                     max(r.ttft for s in steady for r in s) / ttft1, cut))
+        rows.append((tps1, ttft1, tpsb / tps1, max(s[0].ttft for s in burst) / ttft1, tpss / tps1,
+                     max(statistics.median(r.ttft for r in s[1:] or s) for s in steady) / ttft1,
+                     max(r.ttft for s in steady for r in s[1:] or s) / ttft1, cps1, cpsb / cps1, cpss / cps1, cut))
     for label, row in [*((f"  round {i + 1}", r) for i, r in enumerate(rows)),
                        (name, tuple(statistics.median(c) for c in zip(*rows)))]:
-        tps1, ttft1, tpsb, rb, tb, tpss, rs, ts, tw, cut = row
-        print(f"{label:<16} 1 stream {tps1:5.1f} tok/s, TTFT {ttft1 * 1000:4.0f} ms | {n} at once {tpsb:5.1f} tok/s "
-              f"= {rb:4.2f}x, worst TTFT {tb:4.1f}x | {n} streams {tpss:5.1f} tok/s = {rs:4.2f}x, TTFT worst "
-              f"stream median {ts:4.1f}x, worst request {tw:4.1f}x | cut {cut:g}", flush=True)
+        tps1, ttft1, rb, tb, rs, ts, tw, cps1, cb, cs, cut = row
+        print(f"{label:<16} 1 stream {tps1:5.1f} tok/s, TTFT {ttft1 * 1000:4.0f} ms | {n} at once {rb:4.2f}x, "
+              f"worst TTFT {tb:4.1f}x | {n} streams {rs:4.2f}x, TTFT worst stream median {ts:4.1f}x, worst "
+              f"request {tw:4.1f}x | per CPU-s: 1 stream {cps1:5.1f} tok, {n} at once {cb:4.2f}x, {n} streams "
+              f"{cs:4.2f}x | cut {cut:g}", flush=True)
 
 
 def llama_batched(args: argparse.Namespace) -> None:
@@ -235,14 +291,17 @@ def main() -> None:
     ap.add_argument("--engines", default="torch,llama_cpp,llama_cpp_ni,llama_cpp_xN,llama_cpp_batch")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=3, help="requests per stream, back to back")
+    ap.add_argument("--requests", type=int, default=4, help="requests per stream, back to back")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--procs", type=int, default=2, help="processes for llama_cpp_xN")
     args = ap.parse_args()
+    from agent.backends import llama_cpp as llama_spec
+    from agent.backends import torch as torch_spec
+
     gguf = smollm2_gguf()
-    py, t = sys.executable, str(args.threads)
-    llama = [py, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", t, "--n_ctx", "2048"]
+    llama = launch(llama_spec.SPEC, gguf, args.threads)
+    quiet = launch(llama_spec.SPEC, gguf, args.threads, "--interrupt_requests", "False")
     print(f"SmolLM2-135M-Instruct, {args.tokens} tokens per request, {args.requests} requests per stream, "
           f"{args.threads} thread(s) per engine process", flush=True)
     for name in args.engines.split(","):
@@ -251,15 +310,14 @@ def main() -> None:
             continue
         if name == "torch":
             model = smollm2_safetensors(ROOT / ".pytest_cache" / "d" / "fleet-models", "float32")  # the tests' copy
-            engine = Engine([[py, "-m", "agent.backends.torch_worker", "--model", str(model), "--threads", t]],
-                            "/health")
+            engine = Engine([launch(torch_spec.SPEC, model, args.threads)], torch_spec.SPEC.health)
         elif name == "llama_cpp":
-            engine = Engine([llama], "/v1/models")
+            engine = Engine([llama], llama_spec.SPEC.health)
         elif name == "llama_cpp_ni":
-            engine = Engine([[*llama, "--interrupt_requests", "False"]], "/v1/models")
+            engine = Engine([quiet], llama_spec.SPEC.health)
         elif name == "llama_cpp_xN":
             name = f"llama_cpp_x{args.procs}"
-            engine = Engine([[*llama, "--interrupt_requests", "False"]] * args.procs, "/v1/models")
+            engine = Engine([quiet] * args.procs, llama_spec.SPEC.health)
         else:
             raise SystemExit(f"unknown engine {name}")
         try:
