@@ -120,6 +120,7 @@ def assemble(home: Path, identity: Identity, secret: bytes, version: str, gpu_pr
     run at start and every verify_every_s seconds once the server's nursery opens (None: on demand only)."""
     spawner = Spawner()
     store = Store(home)
+    store.sweep()  # what a crashed import or commit left half-written
     fetcher = Fetcher(store, secret.decode(), spawner, node=identity.name, reserve=disk_reserve)
     verifier = Verifier(store, fetcher)
     if verify_every_s is not None:

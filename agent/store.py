@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 from datetime import datetime, timezone
@@ -20,6 +21,9 @@ from wire.state import Integrity, WeightsEntry
 
 CHUNK = 1 << 20
 _SKIP_DIRS = {".git", ".cache", "__pycache__"}
+# What a process writes before renaming it into place, with its pid: an import's copy, a model
+# directory being linked or replaced, a JSON file being written.
+_LEFTOVER = re.compile(r"^\.(?:import-(\d+)-[0-9a-f]+|(?:tmp|old)-[0-9a-f]{64}-(\d+)|.+\.(\d+)-\d+\.tmp)\Z")
 
 
 class StoreError(Exception):
@@ -69,6 +73,16 @@ def now() -> str:
 UNVERIFIED: Integrity = {"state": "unverified", "checked_at": None, "file": None, "reason": None}
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Store:
     def __init__(self, home: Path) -> None:
         self.root = home / "store"
@@ -79,6 +93,22 @@ class Store:
         self.meta = self.root / "meta"
         for d in (self.blobs, self.manifests, self.models, self.partial, self.meta):
             d.mkdir(parents=True, exist_ok=True)
+
+    def sweep(self) -> list[Path]:
+        """Remove what a process that died left half-written: nothing can resume it (a fetch's
+        .part file can, and is kept). Returns what was removed."""
+        removed = []
+        for d in (self.partial, self.models, self.meta):
+            for p in d.iterdir():
+                m = _LEFTOVER.match(p.name)
+                if m is None or _alive(int(next(g for g in m.groups() if g))):
+                    continue
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                removed.append(p)
+        return removed
 
     # ---- paths (every name from outside goes through check_digest / HEX_RE first) ----
 

@@ -439,3 +439,24 @@ def test_a_disk_that_fills_during_a_fetch_is_named_and_given_back(tmp_path: Path
         finally:
             dst.stop()
             peer.close()
+
+
+def test_what_a_dead_process_left_half_written_is_removed_at_start(tmp_path: Path) -> None:
+    agent = Agent("n", "127.0.0.2", free_port("127.0.0.2"), tmp_path / "n", args=["--verify-every", "off"]).start()
+    agent.stop()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has any more
+    store = agent.home / "store"
+    left = [store / "partial" / f".import-{gone.pid}-0123456789abcdef", store / "models" / f".tmp-{'a' * 64}-{gone.pid}",
+            store / "meta" / f".{'b' * 64}.json.{gone.pid}-1.tmp"]
+    kept = [store / "partial" / f"{'c' * 64}.part",  # a fetch resumes it
+            store / "partial" / f".import-{os.getpid()}-0123456789abcdef"]  # its importer still runs
+    left[1].mkdir()
+    (left[1] / "config.json").write_text("{}")
+    for p in [left[0], left[2], *kept]:
+        p.write_bytes(b"x" * 1000)
+    agent.start()
+    try:
+        assert [p for p in left if p.exists()] == [] and all(p.exists() for p in kept)
+    finally:
+        agent.stop()
