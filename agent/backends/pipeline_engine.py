@@ -79,8 +79,9 @@ class PipelineEngine:
         self._kick.set()
 
     def stats(self) -> dict[str, int]:
+        # list() copies in one step under the GIL: the engine thread may be changing the batches.
         return {"steps": self.steps, "widest_step": self.widest, "set_aside": self.set_aside,
-                "rows": sum(len(j) for j in self._batches.values()), "lanes": len(self._lanes),
+                "rows": sum(map(len, list(self._batches.values()))), "lanes": len(self._lanes),
                 "waiting": len(self._waiting) + self._queue.qsize(), "in_flight": len(self._flight),
                 **self.link.stats()}
 

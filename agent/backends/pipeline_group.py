@@ -157,6 +157,26 @@ class Group:
         store.set_timeout(timedelta(seconds=STORE_OP_TIMEOUT_S))
         return Group(spec, store, backend, listener)
 
+    def agree(self, name: str, value: str, timeout_s: float) -> list[str]:
+        """Every stage's `value` of `name`, in rank order, once all have said theirs (a failure
+        posted meanwhile ends the wait with its reason)."""
+        spec = self.spec
+        self.store.set(f"{spec.group}/{name}/{spec.rank}", value)
+        keys = [f"{spec.group}/{name}/{r}" for r in range(spec.world_size)]
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not all(self.store.check([k]) for k in keys):
+                if self.store.check([self.fail_key]):
+                    raise PipelineFailed(bytes(self.store.get(self.fail_key)).decode())
+                if time.monotonic() > deadline:
+                    late = "; ".join(str(s) for s, k in zip(spec.stages, keys) if not self.store.check([k]))
+                    raise PipelineFailed(self.post(f"{late} did not load its slice within {timeout_s:g} s"))
+                time.sleep(0.05)
+            return [bytes(self.store.get(k)).decode() for k in keys]
+        except (RuntimeError, OSError) as exc:
+            raise PipelineFailed(f"{spec.stages[0]} stopped answering: its rendezvous store is gone "
+                                 f"({_first_line(exc)})") from None
+
     def post(self, reason: str) -> str:
         """Record `reason` as the group's failure unless one was recorded first; the one recorded.
         A store out of reach means stage 0 is gone, whatever this stage saw."""
@@ -175,9 +195,11 @@ class Group:
             pass
         return None
 
-    def watch(self, on_fail: Callable[[str], None], silence_s: float) -> threading.Thread:
+    def watch(self, on_fail: Callable[[str], None], silence_s: float, armed: Callable[[], bool]) -> threading.Thread:
         """Beat every BEAT_S on a store connection of its own; call on_fail once with the group's
-        failure: one posted by any stage, a stage silent for `silence_s`, or stage 0's store gone."""
+        failure: one posted by any stage, a stage silent for `silence_s` once `armed()` (this stage
+        serves: while the group forms, loading can starve a stage's threads for seconds on a busy
+        machine, and the formation's own timeouts bound it), or stage 0's store gone."""
         spec = self.spec
         host, port = spec.rendezvous
 
@@ -201,7 +223,7 @@ class Group:
                         if r == spec.rank:
                             continue
                         old = seen.get(r)
-                        if old is None or old[0] != value:
+                        if old is None or old[0] != value or not armed():
                             seen[r] = (value, now)
                         elif now - old[1] > silence_s:
                             on_fail(self.post(f"{spec.stages[r]} stopped answering: no heartbeat for {silence_s:g} s"))

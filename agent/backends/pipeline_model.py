@@ -55,16 +55,22 @@ def choose_dtype(name: str, device: torch.device, config: Any) -> torch.dtype:
     return getattr(torch, str(saved)) if isinstance(saved, str) and hasattr(torch, str(saved)) else torch.float32
 
 
+def read_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise LoadError(f"{model_dir} has no usable config.json: {exc}") from None
+
+
 def load_slice(model_dir: Path, layers: LayerRange, device: torch.device, dtype_name: str = "auto") -> SliceModel:
     """The stage serving `layers` from `model_dir` (a slice holding at least those layers, or the
     whole model: only what the stage needs is read)."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    try:
-        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise LoadError(f"{model_dir} has no usable config.json: {exc}") from None
+    config = read_config(model_dir)
     total = int(config.num_hidden_layers)
     if layers.last >= total:
         raise LoadError(f"layers {layers} are outside the model, which has {total} (0-{total - 1})")

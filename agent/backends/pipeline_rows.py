@@ -58,7 +58,8 @@ class Ledger:
             self.members[b] = rows
 
     def rows(self) -> int:
-        return sum(len(m) for m in self.members.values())
+        """How many rows the stage holds (read from the HTTP thread: list() copies in one step)."""
+        return sum(map(len, list(self.members.values())))
 
     def present(self) -> set[int]:
         return {r for m in self.members.values() for r in m}

@@ -37,7 +37,7 @@ from .torch_worker import DTYPES, STREAM_BUFFER, Served
 
 JOIN_TIMEOUT_S = 120.0
 RECV_TIMEOUT_S = 120.0  # a step's compute upstream (a long prompt's prefill on a CPU) must fit in it
-SILENCE_TIMEOUT_S = 10.0
+SILENCE_TIMEOUT_S = 30.0  # a stage whose heartbeat stops this long is named (a dead one is seen at once)
 
 
 def _ids(value: Any) -> list[int]:
@@ -105,7 +105,8 @@ def relay(spec: GroupSpec, model: SliceModel, ledger: Ledger, link: Link, status
 def _loaded(spec: GroupSpec, model: SliceModel, link: Link) -> None:
     print(json.dumps({"event": "loaded", "stage": spec.rank, "layers": str(spec.me.layers),
                       "device": str(model.stack.device), "dtype": str(model.stack.dtype).removeprefix("torch."),
-                      "transport": "nccl" if link.wire_device.type == "cuda" else "gloo"}),
+                      "transport": "nccl" if link.device_transport else "gloo",
+                      "wire_dtype": str(link.wire_dtype).removeprefix("torch.")}),
           file=sys.stderr, flush=True)
 
 
@@ -118,13 +119,16 @@ def stage(args: argparse.Namespace, spec: GroupSpec, status: Status, failure: Fa
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     group = Group.form(spec, args.join_timeout, args.recv_timeout)
     failure.group = group
-    group.watch(failure, args.silence_timeout)
+    group.watch(failure, args.silence_timeout, lambda: status.ready)
     model = load_slice(Path(args.model), spec.me.layers, device, args.dtype)
     end = spec.stages[-1].layers.last
     if end != model.total_layers - 1:
         raise LoadError(f"the pipeline's stages end at layer {end}, but the model has {model.total_layers} layers")
-    link = Link(spec.rank, spec.world_size, device, model.stack.dtype, model.hidden_size, args.recv_timeout,
-                device_transport=group.backend != "gloo" and device.type == "cuda")
+    # Hidden states cross in the dtype every stage computes in; float32 when they differ.
+    dtypes = group.agree("dtype", str(model.stack.dtype).removeprefix("torch."), args.join_timeout)
+    wire_dtype = model.stack.dtype if len(set(dtypes)) == 1 else torch.float32
+    link = Link(spec.rank, spec.world_size, device, model.stack.dtype, wire_dtype, model.hidden_size,
+                args.recv_timeout, device_transport=group.backend != "gloo" and device.type == "cuda")
     ledger = Ledger(model.stack)
     if spec.rank > 0:
         relay(spec, model, ledger, link, status)
