@@ -20,6 +20,7 @@ throughput. Each run opens new client connections, so the first request of every
 at the default 100, i.e. the p99) is the first on its connection.
 
     .venv/bin/python bench/relay.py [--chunks 200] [--requests 100] [--rounds 5] [--client lean|httpx]
+                                    [--concurrency N ...] [--realtime]
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
-def start_fleet_serve(base: Path, upstream: int, log: Path) -> tuple[list[subprocess.Popen[bytes]], int]:
+def start_fleet_serve(base: Path, upstream: int, log: Path,
+                      interval: float = 30.0) -> tuple[list[subprocess.Popen[bytes]], int]:
     """A simulated agent for node w (on HOST, beside the stand-in), `fleet apply` of cluster chat
     on the stand-in's port, and `fleet serve` as a user runs it. (processes, serve's port)"""
     from tests.agents import SECRET, agent_env, wait_healthy
@@ -204,7 +206,7 @@ clusters:
     wait_healthy(f"http://{HOST}:{agent_port}")
     subprocess.run([fleet_bin(), "apply", "-f", str(base / "fleet.yaml"), "--auto-approve"], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
-    serve = subprocess.Popen([fleet_bin(), "serve", "-f", str(base / "fleet.yaml")], env=env,
+    serve = subprocess.Popen([fleet_bin(), "serve", "-f", str(base / "fleet.yaml"), "--interval", str(interval)], env=env,
                              stdout=log.open("wb"), stderr=subprocess.STDOUT)
     return [sim, serve], port
 
@@ -230,6 +232,10 @@ def main() -> None:
     ap.add_argument("--client", choices=("lean", "httpx"), default="lean",
                     help="load generator: fleet's raw-socket reader (default) or httpx's streaming lines")
     ap.add_argument("--concurrency", type=int, action="append", help="streams at once (default: 1 and 64)")
+    ap.add_argument("--realtime", action="store_true",
+                    help="run client and relays at SCHED_FIFO 30 and the worker at 20 (root only), so that other "
+                         "load on a shared machine does not decide the tail; keep --chunks small (20) or the "
+                         "kernel's RT throttling adds 50 ms stalls of its own")
     ap.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-router", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
@@ -249,6 +255,11 @@ def main() -> None:
             started, fs = start_fleet_serve(Path(tmp), up, Path(tmp) / "serve.log")
             procs += started
             wait_streaming(fs)
+            if args.realtime:
+                subprocess.run(["chrt", "-a", "-f", "-p", "20", str(procs[0].pid)], check=True)
+                for pid in (procs[1].pid, procs[3].pid):
+                    subprocess.run(["chrt", "-a", "-f", "-p", "30", str(pid)], check=True)
+                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(30))
             run(args, {"direct": up, "router": rt, "fleet serve": fs},
                 {"client": None, "worker": procs[0].pid, "router": procs[1].pid, "fleet serve": procs[3].pid})
         finally:
