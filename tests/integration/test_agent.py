@@ -291,3 +291,33 @@ def test_agent_metrics_need_the_secret_and_report_the_tables(agents: tuple[Agent
     text = a.get("/metrics").text
     assert 'fleet_agent_servers{state="running"} 0.0' in text
     assert "fleet_agent_fetches_in_flight 0.0" in text and "fleet_agent_models_held" in text
+
+
+def test_a_slice_starts_only_as_the_pipeline_stage_of_its_layers(tmp_path: Path) -> None:
+    import httpx
+
+    from agent.store import Store
+    from tests.models import hold_slices, tiny_safetensors
+
+    home = tmp_path / "stage"
+    digests = hold_slices(Store(home), tiny_safetensors(tmp_path / "models"), ["0-1", "2-3"])
+    a = Agent("stage", "127.0.0.6", free_port("127.0.0.6"), home).start()
+    try:
+        stages = [{"node": "stage", "address": "127.0.0.6", "layers": "0-1"},
+                  {"node": "other", "address": "127.0.0.7", "layers": "2-3"}]
+        pipeline = {"group": "0123456789abcdef", "rank": 0, "world_size": 2,
+                    "rendezvous": {"address": "127.0.0.6", "port": 9101}, "stages": stages}
+
+        def start(body: dict) -> httpx.Response:
+            return httpx.post(a.url + "/v1/servers", json={"id": "big@stage", "port": 9100, **body},
+                              headers={"Authorization": f"Bearer {SECRET}"}, timeout=10)
+
+        refusals = [(start({"model": digests[0]}), 409, "model_is_slice"),
+                    (start({"model": digests[1], "pipeline": pipeline}), 409, "pipeline_slice_mismatch"),
+                    (start({"model": digests[0], "pipeline": {**pipeline, "rank": 5}}), 400, "bad_request")]
+        for r, status, code in refusals:
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+        assert "holds layers 2-3, but stage 0 of pipeline 0123456789abcdef serves layers 0-1" in refusals[1][0].text
+        assert {w["slice"]["layers"] for w in a.get("/v1/state").json()["weights"] if w["slice"]} == {"0-1", "2-3"}
+    finally:
+        a.stop()

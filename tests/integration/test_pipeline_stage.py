@@ -40,6 +40,42 @@ def details(spans: list[str], rank: int, port: int, group: str = "0123456789abcd
             "stages": [{"node": f"node{i}", "address": ADDRESSES[i], "layers": s} for i, s in enumerate(spans)]}
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"world_size": 3}, "world_size 3 does not match its 2 stages"),
+    ({"rank": 2}, "rank must be an integer 0-1"),
+    ({"stages": [{"node": "a", "address": "x", "layers": "0-1"}, {"node": "b", "address": "y", "layers": "3"}]},
+     r"stages\[1\] starts at layer 3, not at 2"),
+    ({"stages": [{"node": "a", "address": "x", "layers": "1-3"}, {"node": "b", "address": "y", "layers": "4"}]},
+     r"stages\[0\] starts at layer 1, not at 0"),
+    ({"rendezvous": {"address": "x", "port": 0}}, "rendezvous.port must be an integer 1-65535"),
+    ({"group": ""}, "group must be a non-empty string"),
+], ids=["world-size", "rank", "gap", "not-from-0", "port", "group"])
+def test_pipeline_details_are_checked_before_any_process(change: dict[str, Any], message: str) -> None:
+    from agent.backends.pipeline import check_details
+    from agent.launch import BadSettings
+
+    with pytest.raises(BadSettings, match=message):
+        check_details({**details(["0-1", "2-3"], 0, 9000), **change})
+
+
+def test_a_stage_is_launched_with_its_details_settings_and_reason_file() -> None:
+    from agent.backends import BACKENDS, PIPELINE, for_format
+    from agent.launch import BadSettings
+
+    spec = BACKENDS[PIPELINE]
+    assert for_format("safetensors") is BACKENDS["torch"]  # a whole model never goes to the stage worker
+    settings = {"threads": 2, "context_length": 512, "startup_timeout_s": 300, "pipeline": details(["0-1", "2-3"], 1, 9000),
+                "reason_file": "/agent/servers/big@b.reason"}
+    argv = spec.command("/store/slice", "10.0.0.2", 9000, settings, lambda d, w: d).argv
+    assert argv[1:9] == ("-m", "agent.backends.pipeline_stage", "--model", "/store/slice", "--host", "10.0.0.2",
+                         "--port", "9000")
+    assert json.loads(argv[argv.index("--pipeline") + 1]) == details(["0-1", "2-3"], 1, 9000)
+    assert argv[11:] == ("--context-length", "512", "--threads", "2", "--join-timeout", "150", "--reason-file",
+                         "/agent/servers/big@b.reason")
+    with pytest.raises(BadSettings, match="speculatively"):
+        spec.command("/s", "h", 1, {**settings, "speculative": {"mode": "prompt_lookup"}}, lambda d, w: d)
+
+
 class Pipeline:
     """`python -m agent.backends.pipeline_stage` once per slice, stage i on ADDRESSES[i], all on one
     port (as a cluster's members), each one's output in its own log; stopped on exit."""
