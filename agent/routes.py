@@ -219,6 +219,8 @@ class AgentCollector:
                                 value=len(self.ctx.fetcher.active()))
         yield GaugeMetricFamily("fleet_agent_models_held", "Models present in the store",
                                 value=sum(1 for _ in self.ctx.store.digests()))
+        yield GaugeMetricFamily("fleet_agent_models_corrupt", "Models held that failed their last verification",
+                                value=sum(1 for d in self.ctx.store.digests() if _corrupt(self.ctx, d)))
 
 
 def table(ctx: AgentContext) -> list[Route]:

@@ -130,6 +130,8 @@ class Verifier:
             for digest in list(self.store.digests()):
                 try:
                     await self.verify(digest)
-                except (StoreError, mf.ManifestError, ValueError) as exc:  # deleted meanwhile, or unreadable
-                    log.warning("could not verify %s: %s", digest, exc)
+                except StoreError:
+                    continue  # deleted meanwhile
+                except Exception as exc:  # a bug or a disk error: said, and never the agent's end
+                    log.warning("could not verify %s: %s: %s", digest, type(exc).__name__, exc)
             await trio.sleep(period_s)

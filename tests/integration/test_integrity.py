@@ -18,6 +18,7 @@ import pytest
 from tests.agents import SECRET, Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import import_model
+from tests.integration.test_weights import hashed_in, import_linked, sparse_gguf
 from tests.models import tiny_gguf, tiny_safetensors
 from wire import manifest as mf
 from wire.layers import LayerRange
@@ -69,6 +70,7 @@ def test_a_flipped_byte_is_corrupt_not_served_planned_as_a_replace_and_repaired(
         assert found["state"] == "corrupt" and found["file"] == "model.safetensors"
         assert f"tensor {victim['name']} does not match" in found["reason"]
         assert held(cp, digest)["integrity"] == found  # in the state the control plane reads
+        assert "fleet_agent_models_corrupt 1.0" in cp.get("/metrics").text
         # The bad bytes go nowhere: no peer is served them, no server starts on them.
         assert cp.get(f"/v1/blobs/{weights['sha256']}").status_code == 404
         start = httpx.post(f"{cp.url}/v1/servers", json={"id": "chat@cp", "model": digest, "port": free_port(
@@ -158,27 +160,13 @@ def test_a_slice_is_checked_tensor_by_tensor(tmp_path: Path) -> None:
         b.stop()
 
 
-def sparse_gguf(path: Path, size: int) -> Path:
-    """A GGUF-looking file of `size` bytes, nearly all a hole: hashing it costs CPU, writing it nothing."""
-    with open(path, "wb") as fh:
-        fh.write(b"GGUF")
-        fh.truncate(size)
-    return path
-
-
-def import_linked(agent: Agent, path: Path) -> str:
-    proc = subprocess.run([fleet_bin("fleet-agent"), "import", "--home", str(agent.home), str(path), "--json",
-                           "--link"], capture_output=True, text=True, timeout=300, env=agent_env(), check=True)
-    return str(json.loads(proc.stdout)["digest"])
-
-
 def test_verifying_never_stalls_the_api(tmp_path: Path) -> None:
-    """Hashing 512 MiB takes seconds here; meanwhile GET /v1/state answers as usual (on the event
-    loop, a request made during the hashing would wait for all of it)."""
+    """Hashing a model sized to take about 3 s here; meanwhile GET /v1/state answers as usual (on
+    the event loop, a request made during the hashing would wait for all of it)."""
     port = free_port("127.0.0.2")
     agent = Agent("n", "127.0.0.2", port, tmp_path / "n", args=["--verify-every", "off"]).start()
     try:
-        digest = import_linked(agent, sparse_gguf(tmp_path / "big.gguf", 512 << 20))
+        digest = import_linked(agent, sparse_gguf(tmp_path / "big.gguf", hashed_in(3)))
         result: dict[str, Any] = {}
 
         def run() -> None:

@@ -266,6 +266,18 @@ def sparse_gguf(path: Path, size: int) -> Path:
     return path
 
 
+def hashed_in(seconds: float) -> int:
+    """About how many bytes this machine hashes in `seconds` (sha256 of zeros, as a sparse file
+    reads), in whole MiB, so that a test of what happens during hashing lasts about that long."""
+    block, began, done = bytes(8 << 20), time.monotonic(), 0
+    h = hashlib.sha256()
+    while time.monotonic() - began < 0.25:
+        h.update(block)
+        done += len(block)
+    rate = done / (time.monotonic() - began)
+    return int(min(max(rate * seconds, 256 << 20), 16 << 30)) >> 20 << 20
+
+
 def import_linked(agent: Agent, path: Path) -> str:
     proc = subprocess.run([fleet_bin("fleet-agent"), "import", "--home", str(agent.home), str(path), "--json",
                            "--link"], capture_output=True, text=True, timeout=300, env=agent_env(), check=True)
@@ -273,13 +285,13 @@ def import_linked(agent: Agent, path: Path) -> str:
 
 
 def test_a_resume_rehashes_what_it_finds_without_stalling_the_api(tmp_path: Path) -> None:
-    """A fetch that finds all but the last byte of 512 MiB on disk re-hashes it (seconds here) and
-    fetches one byte; GET /v1/state answers meanwhile as usual."""
+    """A fetch that finds all but the last byte of a model on disk re-hashes it (sized to take
+    about 3 s here) and fetches one byte; GET /v1/state answers meanwhile as usual."""
     port = free_port("127.0.0.2", "127.0.0.3")
     src = Agent("src", "127.0.0.2", port, tmp_path / "src", args=["--verify-every", "off"]).start()
     dst = Agent("dst", "127.0.0.3", port, tmp_path / "dst", args=["--verify-every", "off"]).start()
     try:
-        size = 512 << 20
+        size = hashed_in(3)
         digest = import_linked(src, sparse_gguf(tmp_path / "big.gguf", size))
         sha = json.loads(src.get(f"/v1/manifests/{digest}").content)["files"][0]["sha256"]
         sparse_gguf(dst.home / "store" / "partial" / f"{sha}.part", size - 1)  # an earlier attempt's bytes
