@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from wire.state import AgentState
+from wire.state import AgentState, Inventory
 from wire.windows import Window, status
 
 from . import environment, inventory, routes
@@ -76,6 +76,9 @@ class AgentContext:
     windows: tuple[Window, ...] = ()
     clock: Callable[[], datetime] = local_now
     engines: dict[str, Any] = field(default_factory=environment.engines)
+    # The machine now (inventory.measure); agent/simulate.py's agents share one machine, measured
+    # once for them all.
+    measure: Callable[..., Inventory] = inventory.measure
     verifier: Verifier | None = None  # None where there are no bytes to verify (a simulated agent)
 
     def state(self) -> AgentState:
@@ -85,7 +88,7 @@ class AgentContext:
                          "enrolled_at": self.identity.enrolled_at},
             "agent_version": self.version,
             "variant": {"accelerator": environment.variant(self.engines), **self.engines},
-            "inventory": inventory.measure(self.home, self.gpu_probe, reserve=self.fetcher.reserve),
+            "inventory": self.measure(self.home, self.gpu_probe, reserve=self.fetcher.reserve),
             "availability": status(self.windows, now),
             "observed_at": now.isoformat(),
             "weights": self.store.entries(),

@@ -29,6 +29,9 @@ def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, spawner: Spawn
     config.accesslog = None  # requests carry the cluster secret in a header: log none of them
     config.errorlog = log
     config.graceful_timeout = 5
+    # fleet serve's heartbeat keeps its connection between beats (30 s by default): an idle one
+    # closed after hypercorn's 5 s would be set up again on every beat.
+    config.keep_alive_timeout = 120
     if tls_cert and tls_key:
         config.certfile, config.keyfile = tls_cert, tls_key
     scheme = "https" if tls_cert else "http"

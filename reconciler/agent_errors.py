@@ -75,6 +75,7 @@ def excerpt(body: bytes, limit: int = 60) -> str:
 
 class AgentHTTPError(AgentError):
     code = "agent_error"
+    agent_code: str | None = None  # the agent's own code for its refusal, when it gave one
 
     def __init__(self, node: NodeSpec, status: int, message: str) -> None:
         super().__init__(node, f"node {node.name!r} answered HTTP {status}: {message}")

@@ -59,22 +59,25 @@ class AgentClient:
         await self.aclose()
 
     async def request(self, node: NodeSpec, method: str, path: str, *, raw: bool = False, ok404: bool = False,
-                      json_body: Any = None, unless: str | None = None) -> Any:
-        """`unless`: a generation the caller holds (If-None-Match); None when the agent says unchanged (304)."""
+                      json_body: Any = None, unless: str | None = None, timeout: float | None = None) -> Any:
+        """`unless`: a generation the caller holds (If-None-Match); None when the agent says unchanged
+        (304). `timeout`: this call's, instead of the client's."""
         body = json.dumps(json_body).encode() if json_body is not None else None
+        timeout = self._timeout if timeout is None else timeout
         try:
-            with trio.fail_after(self._timeout):
+            with trio.fail_after(timeout):
                 status, content = await self._transport.exchange(AgentRequest(method, node, path, body, self._secret,
                                                                               unless))
         except trio.TooSlowError:
-            raise NodeUnreachable(node, f"timed out (no answer within {self._timeout:g}s)") from None
+            raise NodeUnreachable(node, f"timed out (no answer within {timeout:g}s)") from None
         except (OSError, trio.BrokenResourceError) as exc:
             raise NodeUnreachable(node, cause(exc)) from None
         return _answer(node, status, content, raw=raw, ok404=ok404, request=(method, path))
 
-    async def state(self, node: NodeSpec, unless: str | None = None) -> dict[str, Any] | None:
+    async def state(self, node: NodeSpec, unless: str | None = None,
+                    timeout: float | None = None) -> dict[str, Any] | None:
         """The node's state, checked against the schema; None when it is still generation `unless`."""
-        data = await self.request(node, "GET", "/v1/state", unless=unless)
+        data = await self.request(node, "GET", "/v1/state", unless=unless, timeout=timeout)
         if data is None:
             return None
         try:
@@ -129,13 +132,24 @@ def _answer(node: NodeSpec, status: int, content: bytes, *, raw: bool = False, o
         if status == 401:
             raise NodeAuthRejected(node, message or "401 Unauthorized")
         # A 5xx without the agent's JSON may be a proxy in front of an agent that is down: retryable.
-        raise AgentHTTPError(node, status, message or f"HTTP {status} (it sent {excerpt(content)})")
+        err = AgentHTTPError(node, status, message or f"HTTP {status} (it sent {excerpt(content)})")
+        err.agent_code = _error_code(content)
+        raise err
     if raw:
         return content
     try:
         return json.loads(content)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise NotAnAgent(node, *request, status, " with a body that is not JSON", content) from None
+
+
+def _error_code(content: bytes) -> str | None:
+    """The stable code of an agent's error answer (model_not_held, server_exists, ...)."""
+    try:
+        code = json.loads(content)["error"]["code"]
+        return code if isinstance(code, str) else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _error_message(content: bytes) -> str | None:

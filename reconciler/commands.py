@@ -28,7 +28,7 @@ from .outcome import Failure, print_json
 from .plan import Plan
 from .progress import ApplyProgress
 from .planner import plan as make_plan
-from .render import JSON_FORMAT_VERSION, console, print_diagnostics, print_plan, result_line
+from .render import JSON_FORMAT_VERSION, console, print_diagnostics, print_lines, print_plan, result_line
 from .state_store import ApplyLedger, LockHeld
 from .tables import open_store
 
@@ -198,8 +198,7 @@ def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, ledger: Apply
     assert desired is not None
     results = trio.run(_execute, desired, p, args, _secret(), drains)
     ledger.record_apply(started, p.config_digest, p.summary(), [asdict(r) for r in results])
-    for r in results:
-        people.print(result_line(r))
+    print_lines(people, [result_line(r) for r in results])
     failed = [r for r in results if r.status != "done"]
     if failed:
         err.print(f"[red]✗ {len(failed)} of {len(results)} actions did not complete.[/] Run `fleet apply` "

@@ -259,11 +259,6 @@ class Executor:
 
     async def start(self, c: Change, tally: _Tally) -> str:
         node, d = self.d.nodes[c.node], c.details
-        # Weights can vanish between plan and apply: ask right before starting.
-        held = await self.call(tally, lambda: self.client.weights(node, d["digest"]))
-        if held is None or held.get("state") != "present":
-            raise ActionFailed("weights_gone", f"{c.node} does not hold {d['model']} ({d['digest']}) any more; "
-                                               "plan again")
         body = {"id": d["server_id"], "model": d["digest"], "port": d["port"], "host": d["host"],
                 "settings": d["settings"]}
         if "pipeline" in d:  # a stage: the agent hands its place in the group to the stage worker
@@ -272,6 +267,11 @@ class Executor:
         try:
             await self.call(tally, lambda: self.client.start_server(node, body))
         except AgentHTTPError as exc:
+            # Weights can vanish between plan and apply: the agent refuses the start (asking it
+            # first cost a call per start, a third of an apply's calls).
+            if exc.agent_code == "model_not_held":
+                raise ActionFailed("weights_gone", f"{c.node} does not hold {d['model']} ({d['digest']}) any more "
+                                                   f"({exc}); plan again") from None
             # A start whose answer was lost may have landed: its retry then finds the server there.
             if exc.status != 409 or tally.retries == retried:
                 raise

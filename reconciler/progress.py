@@ -32,6 +32,15 @@ class ApplyProgress:
         if self.bars is not None:
             self.bars.stop()
 
+    def line(self, text: str) -> None:
+        """A line of plain text: written as is where rich would print no colours (rich's print cost
+        ~0.5 ms a line, 5 s of an apply of 10,000 starts)."""
+        if self.bars is None and self.out.color_system is None and not self.out.record:
+            self.out.file.write(text + "\n")
+            self.out.file.flush()
+        else:
+            self.out.print(text, markup=False)
+
     def __call__(self, event: str, data: dict[str, Any]) -> None:
         change: Change = data["change"]
         what = f"{change.action.value} {change.address}"
@@ -40,7 +49,7 @@ class ApplyProgress:
             if self.bars is not None and change.action is Action.REPLICATE:
                 self.tasks[change.address] = self.bars.add_task(what, total=change.details.get("bytes") or None)
             else:
-                self.out.print(f"  … {what}", markup=False)
+                self.line(f"  … {what}")
         elif event == "progress" and self.bars is not None and task is not None:
             # Drawn now, not at the next tick: an answer arrives once per poll, and is then on screen.
             self.bars.update(task, completed=data["done"], total=data["total"] or None, refresh=True)
@@ -51,6 +60,6 @@ class ApplyProgress:
                 self.bars.update(task, completed=total or self.bars.tasks[task].completed)
             self.bars.update(task, description=f"{what} ({status})")
         elif event == "retry":
-            self.out.print(f"  ↻ {what}: retry {data['attempt']} after {data['error']}", markup=False)
+            self.line(f"  ↻ {what}: retry {data['attempt']} after {data['error']}")
         elif event == "drain":
-            self.out.print(f"  ⇄ {data['message']}", markup=False)
+            self.line(f"  ⇄ {data['message']}")

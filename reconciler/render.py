@@ -3,6 +3,7 @@ source line, caret) or JSON for machines."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from rich.console import Console
@@ -57,6 +58,30 @@ def _excerpt(diag: Diagnostic, text: str) -> list[str]:
             f"{gutter} [blue]|[/] {' ' * (col - 1)}[{colour}]{'^' * max(1, end - col)}[/]"]
 
 
+# The styles our own lines use; text in them went through escape(), which puts a backslash before
+# any "[" that could read as a tag.
+_TAG = re.compile(r"(?<!\\)\[(?:/|(?:bold|dim|red|green|yellow|blue|magenta|cyan)(?: [a-z]+)*)\]")
+
+
+def plain(markup: str) -> str:
+    """A line of our markup as rich prints it without colours."""
+    return _TAG.sub("", markup).replace("\\[", "[")
+
+
+def print_lines(out: Console, lines: list[str]) -> None:
+    """Many lines of markup at once. rich spent ~0.9 ms on each print call (0.2 ms a line even in
+    one call, parsing markup): 30 s of an apply of 10,000 starts went to its plan and result lines.
+    Where rich would print no colours (a pipe, a file, a CI log, NO_COLOR) the lines are written as
+    it would write them; a terminal gets one print."""
+    if not lines:
+        return
+    if out.color_system is None and not out.record:
+        out.file.write("".join(plain(line) + "\n" for line in lines))
+        out.file.flush()
+        return
+    out.print("\n".join(lines))
+
+
 def print_diagnostics(out: Console, diags: Iterable[Diagnostic], source_text: str | None) -> None:
     for diag in diags:
         for line in diagnostic_lines(diag, source_text):
@@ -94,20 +119,19 @@ def print_plan(out: Console, plan: Any) -> None:
     if not plan.changes:
         out.print("[green]No changes.[/] The fleet matches the configuration.")
     else:
-        out.print("fleet will perform these actions, in this order:\n")
+        lines = ["fleet will perform these actions, in this order:", ""]
         groups: set[str] = set()
         for c in plan.changes:
             group = pipeline_line(c.details)
             if group is not None and group not in groups:
                 groups.add(group)
-                out.print(f"  [cyan]{escape(group)}[/] [dim](its stages start together)[/]")
+                lines.append(f"  [cyan]{escape(group)}[/] [dim](its stages start together)[/]")
             sym, colour = _SYMBOL[c.action.value]
             after = f"  [dim](after {escape(', '.join(c.depends_on))})[/]" if c.depends_on else ""
             drift = "  [magenta]\\[drift][/]" if c.drift else ""
-            out.print(f"  [{colour}]{sym} {c.action.value}[/] [bold]{escape(c.address)}[/]{after}{drift}")
-            out.print(f"      {escape(c.reason)}")
-        out.print()
-        out.print(f"[bold]{escape(plan.summary())}[/]")
+            lines.append(f"  [{colour}]{sym} {c.action.value}[/] [bold]{escape(c.address)}[/]{after}{drift}")
+            lines.append(f"      {escape(c.reason)}")
+        print_lines(out, lines + ["", f"[bold]{escape(plan.summary())}[/]"])
 
 
 _MARK = {"done": "[green]✓[/]", "failed": "[red]✗[/]", "skipped": "[yellow]-[/]"}

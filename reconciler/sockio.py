@@ -9,7 +9,9 @@ loop still yields (and can be cancelled) on every turn."""
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import socket
 
 import trio
@@ -49,6 +51,20 @@ def prepare(sock: socket.socket) -> socket.socket:
 
 async def connect(host: str, port: int) -> socket.socket:
     """A connected TCP socket to host:port, trying each address the name resolves to."""
+    family = _numeric(host)
+    if family is not None:  # an address already: no resolver, no wrapper object (most agents are named so)
+        sock = prepare(socket.socket(family, socket.SOCK_STREAM))
+        try:
+            code = sock.connect_ex((host, port))
+            if code == errno.EINPROGRESS:
+                await trio.lowlevel.wait_writable(sock)
+                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code:
+                raise OSError(code, os.strerror(code))
+            return sock
+        except BaseException:
+            close(sock)
+            raise
     infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     error: OSError = OSError(f"{host} resolves to no address")
     for family, kind, proto, _, address in infos:
@@ -63,6 +79,16 @@ async def connect(host: str, port: int) -> socket.socket:
             close(sock)
             raise
     raise error
+
+
+def _numeric(host: str) -> socket.AddressFamily | None:
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+            return family
+        except OSError:
+            continue
+    return None
 
 
 async def accept(listener: socket.socket) -> socket.socket:

@@ -4,6 +4,7 @@ same HTTP/1.1 reader, so that tests run the parsing code production runs."""
 
 from __future__ import annotations
 
+import socket
 import ssl
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -34,12 +35,15 @@ class AgentRequest:
     secret: str = field(default="", repr=False)
     unless: str | None = None  # If-None-Match: the generation the caller holds (GET /v1/state)
 
-    def encode(self) -> bytes:
-        """The request as it goes on the wire: one request per connection, closed after the answer."""
+    def encode(self, keep_alive: bool = False) -> bytes:
+        """The request as it goes on the wire: one request per connection, closed after the answer
+        (unless `keep_alive`: then the connection may carry the next request to that agent)."""
         node = self.node
         host = f"[{node.address}]" if ":" in node.address else node.address
         head = (f"{self.method} {self.path} HTTP/1.1\r\nHost: {host}:{node.agent_port}\r\n"
-                f"Authorization: Bearer {self.secret}\r\nConnection: close\r\n")
+                f"Authorization: Bearer {self.secret}\r\n")
+        if not keep_alive:
+            head += "Connection: close\r\n"
         if self.unless is not None:
             head += f'If-None-Match: "{self.unless}"\r\n'
         if self.body is not None:
@@ -58,27 +62,92 @@ class Transport(Protocol):
 class SocketTransport:
     """Each call on a connection of its own over a plain non-blocking socket (TLS where the node
     says so). Through httpx each call cost about 1 ms of CPU, most of the heartbeat's budget at a
-    thousand nodes (bench/heartbeat)."""
+    thousand nodes (bench/heartbeat).
 
-    def __init__(self, ca_file: str | None = None) -> None:
+    `keep_alive` (the heartbeat's): a plain connection is kept after a GET for the next GET to that
+    agent, up to `max_idle` of them. Setting up and tearing down a connection was most of a quiet
+    beat's CPU at 10,000 agents once 304s spared the parsing; a kept one the agent closed meanwhile
+    is noticed before use, or the GET is asked once more on a fresh connection."""
+
+    def __init__(self, ca_file: str | None = None, *, keep_alive: bool = False, max_idle: int = 0) -> None:
         # ca_file: trust agents' certificates signed by this CA (or self-signed ones given directly).
-        self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else ssl.create_default_context()
+        self._ca_file = ca_file
+        self._ssl: ssl.SSLContext | None = None  # made on the first TLS call: loading the CAs costs 0.1-0.2 s
+        self._keep, self._max_idle = keep_alive, max_idle
+        self._idle: dict[tuple[str, int], socket.socket] = {}
 
     async def exchange(self, request: AgentRequest) -> tuple[int, bytes]:
         node = request.node
+        key = (node.address, node.agent_port)
+        keep = self._keep and request.method == "GET" and not node.tls
+        if keep:
+            kept = self._idle.pop(key, None)
+            if kept is not None and _open(kept):
+                try:
+                    return await self._plain(kept, request, key, True)
+                except (OSError, NodeUnreachable):
+                    pass  # closed by the agent meanwhile (a GET: asked again on a fresh connection)
+            elif kept is not None:
+                sockio.close(kept)
         sock = await sockio.connect(node.address, node.agent_port)
-        stream: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        if node.tls:
+            return await self._exchange_tls(request, sock)
+        return await self._plain(sock, request, key, keep)
+
+    async def _plain(self, sock: socket.socket, request: AgentRequest, key: tuple[str, int],
+                     keep: bool) -> tuple[int, bytes]:
+        # The socket driven directly (sockio), without trio's SocketStream, whose every call tries,
+        # waits and tries again: at 10,000 nodes a call's CPU was most of a plan's (bench/plan_scale).
+        reusable = False
         try:
-            if node.tls:
-                stream = trio.SSLStream(stream, self._ssl, server_hostname=node.address, https_compatible=True)
+            await sockio.send(sock, request.encode(keep))
+            status, body, reusable = await read_response(request.node, lambda n: sockio.receive(sock, n))
+            return status, body
+        finally:
+            if keep and reusable and len(self._idle) < self._max_idle and key not in self._idle:
+                self._idle[key] = sock
+            else:
+                sockio.close(sock)
+
+    def close(self) -> None:
+        for sock in self._idle.values():
+            sockio.close(sock)
+        self._idle.clear()
+
+    async def _exchange_tls(self, request: AgentRequest, sock: socket.socket) -> tuple[int, bytes]:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context(cafile=self._ca_file)
+        node = request.node
+        stream: trio.abc.Stream = trio.SSLStream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)), self._ssl,
+                                                 server_hostname=node.address, https_compatible=True)
+        try:
             await stream.send_all(request.encode())
             return await read_answer(node, stream.receive_some)
         finally:
             await trio.aclose_forcefully(stream)
 
 
+def _open(sock: socket.socket) -> bool:
+    """Whether an idle kept connection is still usable: nothing to read on it (a close, or bytes
+    nobody asked for, mean it is not)."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True  # nothing there: open and quiet
+    except OSError:
+        pass
+    return False
+
+
 async def read_answer(node: NodeSpec, receive: Receive) -> tuple[int, bytes]:
     """Status and body of one HTTP/1.1 response (Content-Length, or up to the connection's end)."""
+    status, body, _ = await read_response(node, receive)
+    return status, body
+
+
+async def read_response(node: NodeSpec, receive: Receive) -> tuple[int, bytes, bool]:
+    """read_answer, and whether the connection may carry another request (the answer was framed
+    by its length, and the agent did not say it closes)."""
     buf = b""
     try:
         while (split := split_head(buf)) is None:
@@ -107,7 +176,8 @@ async def read_answer(node: NodeSpec, receive: Receive) -> tuple[int, bytes]:
             raise AgentProtocolError(node, f"an answer over {ANSWER_LIMIT >> 20} MiB")
     if want is not None and len(body) < want:
         raise NodeUnreachable(node, f"the connection closed after {len(body)} of {want} bytes")
-    return head.status, body if want is None else body[:want]
+    reusable = want is not None and len(body) == want and head.headers.get("connection", "").lower() != "close"
+    return head.status, body if want is None else body[:want], reusable
 
 
 Answer = Callable[[bytes], Awaitable[bytes]]  # a request's bytes → the raw bytes of the response

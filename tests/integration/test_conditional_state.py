@@ -4,6 +4,7 @@ node it held (no parsing, no schema check); free GPU memory moving by 256 MiB or
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Callable, Iterator
 
@@ -14,6 +15,7 @@ import trio
 from reconciler.client import AgentClient
 from reconciler.model import ControlPlaneSpec, Desired, NodeSpec
 from reconciler.observe import HeartbeatObserver
+from reconciler.transport import AgentRequest, SocketTransport
 from tests.agents import SECRET, Agent, free_port
 
 
@@ -79,5 +81,56 @@ def test_the_observer_keeps_the_node_it_holds_until_the_state_changes(agent: Age
                                          "memory_free_bytes": 78 << 30}]))
             third = (await observer(10.0)).nodes["a"]
             assert third is not first and third.gpus[0][1] == 78 << 30
+
+    trio.run(main)
+
+
+def test_the_heartbeats_transport_keeps_a_connection_per_agent_and_survives_its_close() -> None:
+    """A stand-in agent on loopback answering every request on its connection: GETs share one
+    connection; after the agent closes it while idle, the next GET goes on a fresh one and
+    succeeds; a POST is never sent on a kept connection."""
+    accepted: list[trio.SocketStream] = []
+
+    async def agent(stream: trio.SocketStream) -> None:
+        accepted.append(stream)
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    more = await stream.receive_some(65536)
+                    if not more:
+                        return
+                    buf += more
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                body = b'{"ok": true}'
+                closing = b"connection: close" in head.lower()
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                                      b"%d\r\n%s\r\n%s" % (len(body), b"connection: close\r\n" if closing else b"", body))
+                if closing:
+                    return
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return
+        finally:
+            await stream.aclose()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, agent, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            node = NodeSpec("a", "127.0.0.1", port)
+            transport = SocketTransport(keep_alive=True, max_idle=4)
+            request = AgentRequest("GET", node, "/v1/state", None, SECRET)
+            for _ in range(3):
+                assert await transport.exchange(request) == (200, b'{"ok": true}')
+            assert len(accepted) == 1
+            await accepted[0].aclose()  # the agent closes the idle connection between two beats
+            await trio.sleep(0.05)
+            assert await transport.exchange(request) == (200, b'{"ok": true}')  # on a fresh connection
+            assert len(accepted) == 2
+            await transport.exchange(AgentRequest("POST", node, "/v1/servers", b"{}", SECRET))
+            await transport.exchange(request)
+            assert len(accepted) == 3  # the POST on a connection of its own, the GET on the kept one
+            transport.close()
+            nursery.cancel_scope.cancel()
 
     trio.run(main)

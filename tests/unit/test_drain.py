@@ -5,16 +5,20 @@ fake clock. (tests/e2e/test_day_to_day.py runs the real processes under client l
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Collection
+from typing import Any, Collection
 
 import trio
 import trio.testing
 
+from reconciler.agent_errors import AgentHTTPError
 from reconciler.drain import Drainer
-from reconciler.plan import Action, Change
+from reconciler.execute import Executor
+from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+from reconciler.plan import Action, Change, Plan
 from reconciler.serve.drains import DrainWatcher
 from reconciler.serve.heartbeat import View
 from reconciler.state_store import Drain, StateStore
+from tests.unit.test_execute import FakeClient
 
 SID = "chat@a"
 CHANGE = Change(Action.REPLACE, "server.chat@a", "a", "changed: context_length 256 → 512",
@@ -154,3 +158,85 @@ def test_a_drain_left_by_an_apply_that_is_gone_holds_nothing_out(tmp_path: Path)
     store.applies.release(lock.id)  # the apply ended without cleaning up: its drain counts no more
     trio.run(serve.watcher.tick)
     assert serve.view.draining == set()
+
+
+def _replace(node: str) -> Change:
+    sid = f"chat@{node}"
+    return Change(Action.REPLACE, f"server.{sid}", node, "changed: context_length 256 → 512",
+                  ("server.chat@a",) if node == "b" else (),
+                  {"server_id": sid, "cluster": "chat", "digest": DIGEST, "model": "m", "port": 9001,
+                   "host": "0.0.0.0", "settings": {"startup_timeout_s": 60}})
+
+
+DIGEST = "sha256:" + "ab" * 32
+
+
+def _desired(members: tuple[str, ...]) -> Desired:
+    nodes = {n: NodeSpec(n, f"10.0.0.{i}") for i, n in enumerate(["a", "b"], 1)}
+    return Desired(1, ControlPlaneSpec("a"), nodes, {"m": ModelSpec("m", "safetensors", DIGEST, "a")}, (),
+                   {"chat": ClusterSpec("chat", "m", members, 9001)})
+
+
+def test_the_executor_drains_each_member_of_a_cluster_of_several_around_its_replace(tmp_path: Path) -> None:
+    """Each member stopped only once drained, and handed back before the next is drained."""
+    serve = Serve(tmp_path)
+    serve.in_flight["chat@b"] = 0
+    _, drainer, _ = apply_side(tmp_path)
+    client = FakeClient()
+    client.server_states = ["running"]
+    events: list[str] = []
+
+    def progress(event: str, data: dict[str, Any]) -> None:
+        if event == "drain":
+            events.append(data["message"].split(":")[0])
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve.watcher.run)
+            original = client.stop_server
+
+            async def stop(node: NodeSpec, sid: str) -> None:
+                assert serve.view.draining == {sid}  # out of routing while it stops, and alone
+                events.append(f"stop {sid}")
+                await original(node, sid)
+
+            client.stop_server = stop  # type: ignore[method-assign]
+            results = await Executor(_desired(("a", "b")), client, clock=trio.current_time, drains=drainer,
+                                     progress=progress).run(Plan((_replace("a"), _replace("b")), ()))
+            assert [r.status for r in results] == ["done", "done"]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert events == ["draining chat@a", "drained chat@a", "stop chat@a", "chat@a is back in routing",
+                      "draining chat@b", "drained chat@b", "stop chat@b", "chat@b is back in routing"]
+
+
+def test_a_cluster_of_one_is_replaced_without_a_drain(tmp_path: Path) -> None:
+    store, drainer, _ = apply_side(tmp_path)
+    client = FakeClient()
+    client.server_states = ["running"]
+
+    async def main() -> None:
+        change = _replace("a")
+        results = await Executor(_desired(("a",)), client, clock=trio.current_time, drains=drainer).run(
+            Plan((change,), ()))
+        assert results[0].status == "done" and store.drains.get("chat@a") is None
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert client.log[:2] == ["stop", "stopped chat@a"]
+
+
+def test_a_start_refused_for_weights_not_held_is_weights_gone() -> None:
+    client = FakeClient()
+    refusal = AgentHTTPError(NodeSpec("a", "10.0.0.1"), 409, "model sha256:ab… is not held on this node")
+    refusal.agent_code = "model_not_held"
+    client.failures["start"] = [refusal]
+
+    async def main() -> None:
+        change = Change(Action.START, "server.chat@a", "a", "wanted", (), _replace("a").details)
+        (result,) = await Executor(_desired(("a",)), client, clock=trio.current_time).run(Plan((change,), ()))
+        assert result.status == "failed" and result.code == "weights_gone"
+        assert "is not held on this node" in result.message and "plan again" in result.message
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert "weights" not in client.log  # no question before the start: the start's refusal says it
