@@ -192,17 +192,18 @@ class PipelineEngine:
         self._send(b, "p", tuple(jobs), {"k": "p", "b": b, "rows": rows, "len": lengths, "s": sampling}, hidden)
 
     def _arrange(self) -> None:
-        """Loose batches become lanes while there are fewer than wanted, else join the idle lane with
+        """Loose batches become lanes while there are fewer than wanted, else join the lane with
         fewest rows; then, while lanes are missing, an idle lane of two rows or more is halved."""
         for b in list(self._loose):
             if len(self._lanes) < self.lane_count:
                 self._loose.remove(b)
                 self._lanes.append(b)
                 continue
-            idle = [lane for lane in self._lanes if lane not in self._flying]
-            if not idle:
-                break
-            target = min(idle, key=lambda lane: len(self._batches[lane]))
+            # The lane with fewest rows takes it (an idle one on a tie); one in flight is waited for,
+            # a step at most, so that the lanes stay even and so do the stages' steps.
+            target = min(self._lanes, key=lambda lane: (len(self._batches[lane]), lane in self._flying))
+            if target in self._flying:
+                continue
             self._op(["join", target, [target, b]])
             self._batches[target] = self._batches[target] + self._batches.pop(b)
             self._loose.remove(b)

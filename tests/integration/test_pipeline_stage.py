@@ -202,8 +202,8 @@ def test_later_stages_serve_health_only_and_count_what_they_send(two: Pipeline) 
     hidden = 64 * 4  # the tiny model's hidden size, float32
     # The prompt's rows once (prefill), then one row per token after the first.
     assert after["sent_activations"] - before["sent_activations"] == hidden * (r.usage.prompt_tokens + 19)
-    # One 256-byte frame per step, one more for the row leaving (an idle tick may have passed too).
-    assert (after["sent_frames"] - before["sent_frames"]) // 256 - 20 in (1, 2)
+    # One 256-byte frame per step, one more for the row leaving, and an idle tick every 2 s around them.
+    assert 21 <= (after["sent_frames"] - before["sent_frames"]) // 256 <= 25
 
 
 def test_a_client_that_leaves_frees_its_rows_on_every_stage(two: Pipeline) -> None:
