@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
+import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.requests import Request
@@ -156,6 +157,13 @@ class Servers:
         if isinstance(body.get("model"), str):
             mf.check_digest(body["model"])
         server = self.ctx.workers.start(body)
+        # A few turns of the scheduler for its supervision's first steps: a server that answers its
+        # health check at once (a simulated one) is then running in this answer, and fleet apply
+        # needs no poll for it. No time passes: a real engine is still starting here.
+        for _ in range(5):
+            if server.state != "starting":
+                break
+            await trio.lowlevel.checkpoint()
         return JSONResponse(server.to_json(), status_code=202)
 
     async def list(self, _: Request) -> Response:

@@ -264,8 +264,9 @@ class Executor:
         if "pipeline" in d:  # a stage: the agent hands its place in the group to the stage worker
             body["pipeline"] = d["pipeline"]
         retried = tally.retries
+        answer: dict[str, Any] | None = None
         try:
-            await self.call(tally, lambda: self.client.start_server(node, body))
+            answer = await self.call(tally, lambda: self.client.start_server(node, body))
         except AgentHTTPError as exc:
             # Weights can vanish between plan and apply: the agent refuses the start (asking it
             # first cost a call per start, a third of an apply's calls).
@@ -283,6 +284,8 @@ class Executor:
                 raise ActionFailed("server_failed", f"server {d['server_id']} on {c.node} failed: {s.get('reason')}")
             return s["state"] == "running", None
 
+        if answer is not None and answer.get("state") == "running":  # running already: nothing to wait for
+            return f"{d['server_id']} running on {c.node}:{d['port']} (pid {answer.get('pid')})"
         limit = float(d["settings"].get("startup_timeout_s", 300)) + STARTUP_GRACE_S
         s = await self.poll(tally, lambda: self.client.server(node, d["server_id"]), judge, limit,
                             lambda s: ActionFailed("startup_timeout", f"server {d['server_id']} on {c.node} still "
