@@ -83,6 +83,7 @@ class PipelineEngine:
         return {"steps": self.steps, "widest_step": self.widest, "set_aside": self.set_aside,
                 "rows": sum(map(len, list(self._batches.values()))), "lanes": len(self._lanes),
                 "waiting": len(self._waiting) + self._queue.qsize(), "in_flight": len(self._flight),
+                "compute_us": self.ledger.busy_ns // 1000,
                 **self.link.stats()}
 
     def fail(self, reason: str) -> None:

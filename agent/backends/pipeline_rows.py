@@ -13,6 +13,7 @@ What runs after them:
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ class Ledger:
         self.stack = stack
         self.caches: dict[int, Rows] = {}
         self.members: dict[int, list[int]] = {}
+        self.busy_ns = 0  # time in this stage's own arithmetic (embedding, layers): the rest is waiting
 
     def apply(self, ops: list[list[Any]]) -> None:
         for op in ops:
@@ -70,14 +72,21 @@ class Ledger:
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.stack.device)
         for r, p in enumerate(prompts):
             ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long, device=self.stack.device)
-        return self.stack.embed(ids)
+        t0 = time.perf_counter_ns()
+        out = self.stack.embed(ids)
+        self.busy_ns += time.perf_counter_ns() - t0
+        return out
 
     def embed_tokens(self, tokens: list[int]) -> torch.Tensor:
-        return self.stack.embed(torch.tensor(tokens, dtype=torch.long, device=self.stack.device).unsqueeze(1))
+        t0 = time.perf_counter_ns()
+        out = self.stack.embed(torch.tensor(tokens, dtype=torch.long, device=self.stack.device).unsqueeze(1))
+        self.busy_ns += time.perf_counter_ns() - t0
+        return out
 
     def prefill(self, b: int, rows: list[int], lengths: list[int], hidden: torch.Tensor) -> torch.Tensor:
         """New batch b of these rows, their prompts' hidden states [rows, longest, hidden] in (as
         Stack.prefill_many pads and masks them, so a row's arithmetic is the whole model's)."""
+        t0 = time.perf_counter_ns()
         stack, device = self.stack, self.stack.device
         n, width = len(lengths), max(lengths)
         cache = stack.rows(n, width + HEADROOM)
@@ -97,10 +106,12 @@ class Ledger:
         cache.length = width
         cache.positions = torch.tensor(lengths, dtype=torch.long, device=device)
         self.caches[b], self.members[b] = cache, list(rows)
+        self.busy_ns += time.perf_counter_ns() - t0
         return out
 
     def decode(self, b: int, hidden: torch.Tensor) -> torch.Tensor:
         """One step of batch b: each row's newest token's hidden state [rows, 1, hidden] in."""
+        t0 = time.perf_counter_ns()
         cache = self.caches[b]
         cache.reserve(1)
         cache.mask[:, cache.length] = True
@@ -108,6 +119,7 @@ class Ledger:
         out = self.stack.run(hidden, cache, cache.positions.unsqueeze(1), mask)
         cache.length += 1
         cache.positions += 1
+        self.busy_ns += time.perf_counter_ns() - t0
         return out
 
     def run(self, run: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:

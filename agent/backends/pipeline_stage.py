@@ -72,7 +72,8 @@ def relay(spec: GroupSpec, model: SliceModel, ledger: Ledger, link: Link, status
     the next stage (or, from the last, the sampled tokens back to stage 0)."""
     sampler = Sampler(model.stack.device) if spec.last else None
     steps = 0
-    status.stats = lambda: {"steps": steps, "rows": ledger.rows(), "batches": len(ledger.caches), **link.stats()}
+    status.stats = lambda: {"steps": steps, "rows": ledger.rows(), "batches": len(ledger.caches),
+                            "compute_us": ledger.busy_ns // 1000, **link.stats()}
     while True:
         step = link.recv_step()
         header = step.header
@@ -92,7 +93,9 @@ def relay(spec: GroupSpec, model: SliceModel, ledger: Ledger, link: Link, status
                     if run["k"] == "p":
                         sampler.join(run["rows"], run["s"])
                     sampler.forget(ledger.present())
+                    t0 = time.perf_counter_ns()
                     tokens = sampler.pick(model.stack.head(out), ledger.members[int(run["b"])])
+                    ledger.busy_ns += time.perf_counter_ns() - t0
                 elif header["ops"]:
                     sampler.forget(ledger.present())
                 link.send_tokens(step.seq, tokens)
