@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any, Collection, Mapping, Protocol
 
 import trio
@@ -35,19 +36,31 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
     known = held or {}
     names = iter(desired.nodes if only is None else [n for n in desired.nodes if n in only])
 
+    async def one(name: str) -> None:
+        before = known.get(name)
+        generation = before.generation if before is not None and before.ok else None
+        try:
+            state = await client.state(desired.nodes[name], unless=generation, timeout=math.inf)
+            nodes[name] = before if state is None and before is not None else node_from_state(name, state or {})
+        except AgentError as exc:
+            nodes[name] = ObservedNode(name, exc.code, exc.message)
+
     async def worker() -> None:
-        # Bounded by a fixed pool of workers taking the next node: at 10,000 nodes, 10,000 tasks
-        # parked on a limiter cost more than the calls of a quiet beat (STYLE.md, habit 6).
-        for name in names:
-            spec = desired.nodes[name]
-            before = known.get(name)
-            generation = before.generation if before is not None and before.ok else None
-            try:
-                # One deadline per call, the client's (no second scope around it).
-                state = await client.state(spec, unless=generation, timeout=timeout)
-                nodes[name] = before if state is None and before is not None else node_from_state(name, state or {})
-            except AgentError as exc:
-                nodes[name] = ObservedNode(name, exc.code, exc.message)
+        # A fixed pool of workers taking the next node: at 10,000 nodes, 10,000 tasks parked on a
+        # limiter cost more than the calls of a quiet beat (STYLE.md, habit 6). Each call gets
+        # `timeout` by moving the worker's one deadline; when it passes, that node is unreachable
+        # and the worker goes on in a new scope.
+        while True:
+            name: str | None = None
+            with trio.CancelScope() as scope:
+                for name in names:
+                    scope.deadline = trio.current_time() + timeout
+                    await one(name)
+                return
+            if name is not None:
+                spec = desired.nodes[name]
+                nodes[name] = ObservedNode(name, "node_unreachable", f"node {name!r} at {spec.address}:"
+                                           f"{spec.agent_port} did not answer within {timeout:g}s")
 
     async with trio.open_nursery() as nursery:
         for _ in range(max(1, concurrency)):
@@ -67,7 +80,7 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
                 continue
             if "sha256:" + hashlib.sha256(body).hexdigest() == m.digest:
                 fetched[m.digest] = json.loads(body)
-    return Observed(dict(sorted(nodes.items())), {m.digest: fetched[m.digest] for m in sliced if m.digest in fetched})
+    return Observed({name: nodes[name] for name in sorted(nodes)}, {m.digest: fetched[m.digest] for m in sliced if m.digest in fetched})
 
 
 class HeartbeatObserver:

@@ -127,11 +127,14 @@ class SocketTransport:
             await trio.aclose_forcefully(stream)
 
 
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags (enums) each call cost more than the call
+
+
 def _open(sock: socket.socket) -> bool:
     """Whether an idle kept connection is still usable: nothing to read on it (a close, or bytes
     nobody asked for, mean it is not)."""
     try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        sock.recv(1, _PEEK)
     except BlockingIOError:
         return True  # nothing there: open and quiet
     except OSError:

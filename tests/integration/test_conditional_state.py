@@ -14,7 +14,7 @@ import trio
 
 from reconciler.client import AgentClient
 from reconciler.model import ControlPlaneSpec, Desired, NodeSpec
-from reconciler.observe import HeartbeatObserver
+from reconciler.observe import HeartbeatObserver, observe
 from reconciler.transport import AgentRequest, SocketTransport
 from tests.agents import SECRET, Agent, free_port
 
@@ -131,6 +131,33 @@ def test_the_heartbeats_transport_keeps_a_connection_per_agent_and_survives_its_
             await transport.exchange(request)
             assert len(accepted) == 3  # the POST on a connection of its own, the GET on the kept one
             transport.close()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_silent_agent_is_unreachable_after_its_timeout_and_the_others_are_observed(agent: Agent) -> None:
+    """Two silent stand-ins (they accept and never answer) among real agents' calls: each silent one
+    is node_unreachable after the timeout, each call having its own, and the rest are observed."""
+    async def silent(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            nodes = {"a": NodeSpec("a", agent.address, agent.port), "s1": NodeSpec("s1", "127.0.0.1", port),
+                     "s2": NodeSpec("s2", "127.0.0.1", port)}
+            desired = Desired(1, ControlPlaneSpec("a"), nodes, {}, (), {})
+            async with AgentClient(SECRET) as client:
+                started = trio.current_time()
+                seen = await observe(desired, client, timeout=0.5, concurrency=1)  # one worker: one after another
+                took = trio.current_time() - started
+            assert seen.nodes["a"].ok
+            for name in ("s1", "s2"):
+                assert seen.nodes[name].error_code == "node_unreachable"
+                assert "did not answer within 0.5s" in (seen.nodes[name].error or "")
+            assert 1.0 <= took < 3.0  # 0.5 s each, in turn
             nursery.cancel_scope.cancel()
 
     trio.run(main)
