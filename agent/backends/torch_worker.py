@@ -55,7 +55,7 @@ class Served:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from .torch_layers import Stack
+        from .torch_layers import Stack, Unsupported
 
         if threads:
             torch.set_num_threads(threads)
@@ -75,7 +75,10 @@ class Served:
             raise SystemExit(f"{model_dir}: the weights lack {len(missing)} tensor(s) the model needs: "
                              + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
         self.model = model.to(self.device).eval()
-        stack = Stack(self.model)
+        try:
+            stack = Stack(self.model)
+        except Unsupported as exc:  # said in one line, as a load failure is (the agent keeps it as the reason)
+            raise SystemExit(f"{model_dir}: {exc}") from None
         limit = getattr(self.model.config, "max_position_embeddings", None)
         self.context_length = min(context_length or limit or 2048, limit or context_length or 2048,
                                   stack.window or sys.maxsize)
