@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -110,6 +111,30 @@ def test_the_greedy_answer_is_right_streamed_or_not(served: Served, cluster: str
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens > 0
     assert last.usage.completion_tokens >= len(texts) > 0
     assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+
+
+@pytest.mark.parametrize("cluster, node", ENGINES, ids=IDS)
+def test_concurrent_streams_each_get_their_whole_answer(served: Served, cluster: str, node: str) -> None:
+    # llama-cpp-python's server cuts a running stream when another request arrives unless told not to.
+    whole = ask(served, cluster)
+    expected = (whole.choices[0].message.content or "").strip()
+    results: list[str] = []
+
+    def stream() -> None:
+        chunks = list(ask(served, cluster, stream=True))
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        results.append(f"{finish}|{text.strip()}")
+
+    threads = [threading.Thread(target=stream) for _ in range(3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)  # each arrives while the one before is streaming
+    for t in threads:
+        t.join(300)
+    assert len(results) == 3, results
+    assert all(r.split("|", 1)[1] == expected and r.split("|", 1)[0] in ("['stop']", "['length']")
+               for r in results), (expected, results)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
