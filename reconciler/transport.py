@@ -158,6 +158,10 @@ async def read_response(node: NodeSpec, receive: Receive) -> tuple[int, bytes, b
             if not more:
                 raise NodeUnreachable(node, "the connection closed before an answer")
             buf += more
+            if buf.startswith(b"HTTP/1.1 304 ") and buf.endswith(b"\r\n\r\n") and b"\r\n\r\n" not in buf[:-4]:
+                # The answer of a quiet heartbeat, whole: nothing in its head matters but a close
+                # (a tenth of a quiet beat's CPU went to parsing these heads).
+                return 304, b"", b"connection: close" not in buf.lower()
         head, body = split
         if head.chunked:
             # fleet-agent always sends a length; something else answered in its place.
