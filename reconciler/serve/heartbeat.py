@@ -192,10 +192,16 @@ class Heartbeat:
 
 
 def drift_cause(p: Plan) -> str:
-    """The plan's summary line, then each change by action and address (the first SHOWN)."""
-    shown = [f"{c.action.value} {c.address}" for c in p.changes[:SHOWN]]
+    """The plan's summary line, then each change by action and address, with the first line of
+    its reason (a settings change by path: "changed: speculative.tokens 4 → 8"); the first SHOWN."""
+    shown = [f"{c.action.value} {c.address} ({_short(c.reason)})" for c in p.changes[:SHOWN]]
     more = f", and {len(p.changes) - SHOWN} more" if len(p.changes) > SHOWN else ""
     return f"the fleet does not match its file. {p.summary()} " + ", ".join(shown) + more
+
+
+def _short(reason: str, limit: int = 160) -> str:
+    line = reason.splitlines()[0] if reason else ""
+    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 def _slice_of(node: ObservedNode, digest: str) -> str | None:
