@@ -141,3 +141,6 @@ class AgentState(TypedDict):
     weights: list[WeightsEntry]
     fetches: list[FetchJob]
     servers: list[ServerEntry]
+    # Added by GET /v1/state (not by AgentContext.state): the state's name, also its ETag; asked
+    # with If-None-Match: "GENERATION", an agent whose state is unchanged answers 304.
+    generation: NotRequired[str]
