@@ -125,7 +125,11 @@ def test_no_health_within_the_startup_timeout_kills_the_worker(tmp_path: Path) -
         assert server.reason is not None and server.reason.startswith(
             "did not answer its health check (/health) within 0.5s (startup_timeout_s); killed")
         assert server.exit == {"code": None, "signal": signal.SIGKILL}
-        assert server.pid is not None and not alive(server.pid)
+        assert server.pid is not None
+        with trio.move_on_after(5):  # the kernel finishes the kill on its own time on a loaded machine
+            while alive(server.pid):
+                await trio.sleep(0.02)
+        assert not alive(server.pid)
 
     run(tmp_path, go)
 
