@@ -6,6 +6,7 @@ what lets replication run near the disk-and-hash limit on one port."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -14,7 +15,15 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 CHUNK = 4 << 20
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)\Z")
+# A position of more digits than this is past the end of any file. Python refuses int() of more
+# than 4,300 digits (ValueError, a 500 with a traceback), so long ones are never converted.
+_DIGITS = 19
+_FAR = 1 << 64
+
+
+def _position(digits: str) -> int:
+    return int(digits) if len(digits) <= _DIGITS else _FAR
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None | str:
@@ -25,10 +34,10 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None | str:
     if not m or (not m.group(1) and not m.group(2)):
         return None  # RFC 9110: an unparseable Range is ignored
     if not m.group(1):  # suffix: the last N bytes
-        n = int(m.group(2))
+        n = _position(m.group(2))
         return (max(0, size - n), size - 1) if n and size else "unsatisfiable"
-    start = int(m.group(1))
-    end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
+    start = _position(m.group(1))
+    end = min(_position(m.group(2)), size - 1) if m.group(2) else size - 1
     if start >= size or end < start:
         return "unsatisfiable"
     return start, end
@@ -45,9 +54,13 @@ class BlobResponse(Response):
             size = os.fstat(fh.fileno()).st_size
             rng = parse_range(self.range_header, size)
             if rng == "unsatisfiable":
+                body = json.dumps({"error": {"code": "range_not_satisfiable", "message": (
+                    f"the range asked ({(self.range_header or '')[:64]}) is outside the blob's {size} bytes")}}).encode()
                 await send({"type": "http.response.start", "status": 416,
-                            "headers": [(b"content-range", f"bytes */{size}".encode()), (b"content-length", b"0")]})
-                await send({"type": "http.response.body", "body": b""})
+                            "headers": [(b"content-range", f"bytes */{size}".encode()),
+                                        (b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
                 return
             start, end = rng if isinstance(rng, tuple) else (0, size - 1)
             length = end - start + 1 if size else 0

@@ -153,5 +153,5 @@ async def get_bytes(base: str, path: str, secret: str, *, limit: int = 64 << 20,
 def _message(body: bytes) -> str:
     try:
         return str(json.loads(body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return body[:200].decode("utf-8", "replace") or "(no body)"

@@ -50,6 +50,8 @@ async def _json_object(request: Request, hint: str) -> dict[str, Any] | JSONResp
         body = await request.json()
     except ValueError:
         return error_response(400, "bad_request", f"the body must be JSON{hint}")
+    except RecursionError:  # json's decoder recurses per level: 100,000 brackets end here, not in a 500
+        return error_response(400, "bad_request", f"the body is nested too deeply to be read; it must be JSON{hint}")
     if not isinstance(body, dict):
         return error_response(400, "bad_request", "the body must be a JSON object")
     return body
