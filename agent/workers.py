@@ -237,6 +237,7 @@ class Workers:
             server.state, server.reason = "failed", f"could not start {server.argv[0]}: {exc}"
             return
         server.proc, server.pid = proc, proc.pid
+        timed_out: list[str] = []
         async with trio.open_nursery() as nursery:
             async def watch_health() -> None:
                 url = f"http://{server.host}:{server.port}{spec.health}"
@@ -246,8 +247,8 @@ class Workers:
                         server.state = "running"
                         return
                     if trio.current_time() > deadline:
-                        server.state = "failed"
-                        server.reason = (f"did not answer its health check ({spec.health}) within {timeout:g}s "
+                        # failed only once reaped below, so no one sees a failed server without its exit
+                        timed_out.append(f"did not answer its health check ({spec.health}) within {timeout:g}s "
                                          f"(startup_timeout_s); killed")
                         proc.kill()
                         return
@@ -257,6 +258,8 @@ class Workers:
             code = await proc.wait()
             nursery.cancel_scope.cancel()
         how, server.exit = _describe_exit(code)
+        if timed_out:
+            server.state, server.reason = "failed", timed_out[0]
         if server.state == "stopping":
             server.state = "stopped"
             return
