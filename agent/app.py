@@ -23,6 +23,7 @@ from .auth import BearerAuth
 from .fetch import Fetcher
 from .identity import Identity
 from .launch import Launcher
+from .sealed import Key
 from .store import Store, WeightStore
 from .verify import DEFAULT_PERIOD_S, Verifier
 from .workers import Workers
@@ -116,13 +117,15 @@ def generation(state: AgentState) -> str:
 def assemble(home: Path, identity: Identity, secret: bytes, version: str, gpu_probe: inventory.GpuProbe,
              launcher: Launcher, *, listen_host: str = "127.0.0.1", windows: tuple[Window, ...] = (),
              clock: Callable[[], datetime] = local_now, engines: dict[str, Any] | None = None,
-             verify_every_s: float | None = DEFAULT_PERIOD_S, disk_reserve: int | None = None) -> AgentContext:
+             verify_every_s: float | None = DEFAULT_PERIOD_S, disk_reserve: int | None = None,
+             weights_key: Key | None = None) -> AgentContext:
     """A real agent's parts under `home`: its weight store, a fetcher writing into it (keeping
     disk_reserve bytes free: None for the default), workers starting servers through `launcher`
     (on listen_host unless a request names another host), and a verifier of what the store holds,
-    run at start and every verify_every_s seconds once the server's nursery opens (None: on demand only)."""
+    run at start and every verify_every_s seconds once the server's nursery opens (None: on demand only).
+    weights_key opens the encrypted models the store holds (agent/sealed.py)."""
     spawner = Spawner()
-    store = Store(home)
+    store = Store(home, weights_key)
     store.sweep()  # what a crashed import or commit left half-written
     fetcher = Fetcher(store, secret.decode(), spawner, node=identity.name, reserve=disk_reserve)
     verifier = Verifier(store, fetcher)

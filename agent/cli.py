@@ -9,12 +9,15 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from wire.command_line import Exit, Parser, UsageError, error_document, exit_codes_epilog, json_asked
 from wire.windows import Window
 
 from . import __version__, environment, identity, inventory
+
+if TYPE_CHECKING:
+    from .sealed import Key
 
 DEFAULT_HOME = "/var/lib/fleet-agent"
 DEFAULT_PORT = 7070
@@ -54,6 +57,19 @@ def _secret() -> bytes:
         raise Refused(str(exc)) from None
 
 
+def _weights_key(args: argparse.Namespace) -> Key | None:
+    """The node's weights key (--key-file, $FLEET_WEIGHTS_KEY_FILE or $FLEET_WEIGHTS_KEY); the
+    variable holding a key itself is removed at once, so that no worker inherits it."""
+    from .sealed import KEY_ENV, KeyProblem, load_key
+
+    try:
+        return load_key(args.key_file, os.environ)
+    except KeyProblem as exc:
+        raise Refused(str(exc)) from None
+    finally:
+        os.environ.pop(KEY_ENV, None)
+
+
 def _listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
@@ -84,6 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise Refused("--tls-cert and --tls-key go together")
     host, port = _listen(args.listen)
+    weights_key = _weights_key(args)
 
     from .fetch import parse_size
     from .verify import parse_period
@@ -102,7 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     ctx = assemble(home, ident, secret, __version__, probe, ProcessLauncher(), listen_host=host, windows=wins,
-                   verify_every_s=verify_every, disk_reserve=reserve)
+                   verify_every_s=verify_every, disk_reserve=reserve, weights_key=weights_key)
     return serve(create_app(ctx), host, port, ident, spawner=ctx.spawner, workers=ctx.workers,
                  tls_cert=args.tls_cert, tls_key=args.tls_key)
 
@@ -143,18 +160,29 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise Refused(str(exc)) from None
     src = Path(args.path)
     name = args.name or (src.stem if src.is_file() else src.resolve().name)
+    key = _weights_key(args)
+    if args.encrypt and key is None:
+        raise Refused("--encrypt needs this node's weights key: --key-file PATH or $FLEET_WEIGHTS_KEY_FILE "
+                      "(make one with: head -c 32 /dev/urandom > KEYFILE; chmod 600 KEYFILE)")
+    if args.encrypt and args.link:
+        raise Refused("--encrypt stores an encrypted copy; it cannot hard-link the original (--link)")
     try:
-        digest, manifest = Store(home).import_model(src, name, link=args.link)
+        digest, manifest = Store(home, key).import_model(src, name, link=args.link, encrypt=args.encrypt)
     except (StoreError, OSError) as exc:
         raise Refused(f"cannot import {src}: {exc}") from None
     size = sum(f["size"] for f in manifest["files"])
     if args.json:
         print(json.dumps({"digest": digest, "name": name, "format": manifest["format"], "bytes": size,
-                          "layers": manifest["layers"]}))
+                          "layers": manifest["layers"], "encryption": manifest.get("encryption")}))
     else:
         print(f"imported {name!r} ({manifest['format']}, {len(manifest['files'])} files, {size:,} bytes)")
         print(f"digest: {digest}")
-        print(f"in fleet.yaml:  models.{name}: {{format: {manifest['format']}, digest: \"{digest}\", source: <this node>}}")
+        if args.encrypt:
+            print(f"encrypted at rest (aes-256-gcm) under key {manifest['encryption']['key_id']}; nothing of it is "
+                  "stored in plaintext")
+        sealed = ", encrypted: true" if args.encrypt else ""
+        print(f"in fleet.yaml:  models.{name}: {{format: {manifest['format']}, digest: \"{digest}\", "
+              f"source: <this node>{sealed}}}")
     return 0
 
 
@@ -214,6 +242,8 @@ def build_parser() -> Parser:
                         help="print fleet-agent's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     home_help = f"the agent's home: identity and weights (default: $FLEET_AGENT_HOME, else {DEFAULT_HOME})"
+    key_help = ("the weights key for encrypted models: 32 bytes, raw or as 64 hex digits, in a file only its owner "
+                "reads (default: $FLEET_WEIGHTS_KEY_FILE, else the key itself in $FLEET_WEIGHTS_KEY)")
 
     p = sub.add_parser("enroll", help="write this node's identity, once",
                        description="Write this node's identity (a random id, its name, when, the agent "
@@ -241,6 +271,7 @@ def build_parser() -> Parser:
                    help="re-hash every model held at start and then every PERIOD (90s, 30m, 24h, 7d), "
                         "one at a time in the background; a model that fails is reported corrupt and no "
                         "server starts on it. off: only on demand (POST /v1/weights/DIGEST/verify)")
+    p.add_argument("--key-file", metavar="FILE", help=key_help)
     p.add_argument("--disk-reserve", metavar="SIZE",
                    help="bytes of the home's disk a fetch never uses (e.g. 1GiB, 500MB, 0); a fetch that would "
                         "is refused (disk_full) (default: 1 GiB, or a tenth of a smaller disk)")
@@ -257,6 +288,10 @@ def build_parser() -> Parser:
     p.add_argument("--link", action="store_true",
                    help="hard-link instead of copying (same filesystem; editing the original in place "
                         "would then corrupt the stored copy)")
+    p.add_argument("--encrypt", action="store_true",
+                   help="store it encrypted at rest (AES-256-GCM) under this node's weights key; it is then "
+                        "served only here, decrypted into memory, never to disk")
+    p.add_argument("--key-file", metavar="FILE", help=key_help)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_import)
 

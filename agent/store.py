@@ -2,7 +2,9 @@
 digest, and a model directory of hard links that engines load. A model is present only once its
 manifest is written, which happens last, after every file is complete, verified and fsynced. What
 the last verification of a model found (agent/verify.py) is kept beside it, so that a model found
-corrupt stays corrupt across restarts until it is fetched again or passes a verification."""
+corrupt stays corrupt across restarts until it is fetched again or passes a verification. An
+encrypted model's files (agent/sealed.py) are kept apart, under sealed/ by their ciphertext's
+sha256, where the blob route that serves peers never looks; its manifest is the plaintext's."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 from wire import manifest as mf
-from wire.state import Integrity, WeightsEntry
+from wire.state import Encryption, Integrity, WeightsEntry
+
+from .sealed import Key, SealWriter, manifest_block
 
 CHUNK = 1 << 20
 _SKIP_DIRS = {".git", ".cache", "__pycache__"}
@@ -84,14 +88,16 @@ def _alive(pid: int) -> bool:
 
 
 class Store:
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, key: Key | None = None) -> None:
+        self.key = key  # the node's weights key, for encrypted models (None: this agent holds none)
         self.root = home / "store"
         self.blobs = self.root / "blobs"
+        self.sealed = self.root / "sealed"  # encrypted models' files: never served to peers
         self.manifests = self.root / "manifests"
         self.models = self.root / "models"
         self.partial = self.root / "partial"
         self.meta = self.root / "meta"
-        for d in (self.blobs, self.manifests, self.models, self.partial, self.meta):
+        for d in (self.blobs, self.sealed, self.manifests, self.models, self.partial, self.meta):
             d.mkdir(parents=True, exist_ok=True)
 
     def sweep(self) -> list[Path]:
@@ -122,6 +128,26 @@ class Store:
 
     def model_dir(self, digest: str) -> Path:
         return self.models / mf.check_digest(digest)
+
+    def sealed_path(self, sha: str) -> Path:
+        if not mf.HEX_RE.match(sha):
+            raise StoreError(f"invalid sha256 {sha[:80]!r}: expected 64 lowercase hex digits")
+        return self.sealed / sha
+
+    def is_sealed(self, digest: str) -> bool:
+        """Whether the model's files are encrypted (its meta says so; it is written before the manifest)."""
+        return bool(self._meta(digest).get("sealed"))
+
+    def _meta(self, digest: str) -> dict[str, Any]:
+        try:
+            found = json.loads((self.meta / f"{mf.check_digest(digest)}.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return found if isinstance(found, dict) else {}
+
+    def file_blob(self, digest: str, sha: str) -> Path:
+        """Where a file of `digest` is kept: its blob, or its sealed file for an encrypted model."""
+        return self.sealed_path(sha) if self.is_sealed(digest) else self.blob_path(sha)
 
     def has_blob(self, sha: str) -> bool:
         return self.blob_path(sha).is_file()
@@ -163,7 +189,7 @@ class Store:
         model_dir, blobs = self.model_dir(digest), self.file_blobs(digest)
         bad = {path for path, _ in problems}
         for path, sha in blobs.items():
-            held, blob = model_dir / mf.safe_relpath(path), self.blob_path(sha)
+            held, blob = model_dir / mf.safe_relpath(path), self.file_blob(digest, sha)
             if path in bad:
                 if blob.exists() and (not held.exists() or os.path.samefile(blob, held)):
                     blob.unlink(missing_ok=True)
@@ -188,14 +214,16 @@ class Store:
         body = mf.canonical(manifest)
         if mf.digest_of(manifest) != digest:
             raise StoreError(f"manifest does not hash to {digest}")
+        sealed = manifest.get("encryption") is not None
+        blob = self.sealed_path if sealed else self.blob_path
         final = self.model_dir(digest)
-        if not self._linked(final, file_blobs):
+        if not self._linked(final, file_blobs, blob):
             tmp = self.models / f".tmp-{digest[7:]}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             for path, sha in file_blobs.items():
                 dest = tmp / mf.safe_relpath(path)
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                os.link(self.blob_path(sha), dest)
+                os.link(blob(sha), dest)
             if final.exists():  # a model fetched again (it was found corrupt): the old links go
                 old = self.models / f".old-{digest[7:]}-{os.getpid()}"
                 os.replace(final, old)
@@ -203,7 +231,10 @@ class Store:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, final)
-        write_json(self.meta / f"{digest[7:]}.json", {"name": name, "files": file_blobs, "committed_at": now()})
+        meta: dict[str, Any] = {"name": name, "files": file_blobs, "committed_at": now()}
+        if sealed:
+            meta["sealed"] = True
+        write_json(self.meta / f"{digest[7:]}.json", meta)
         # Every byte was just hashed on its way in: the model is verified as of now.
         write_json(self._integrity_path(digest), {"state": "verified", "checked_at": now(), "file": None,
                                                   "reason": None})
@@ -215,10 +246,10 @@ class Store:
         os.replace(tmp_manifest, self.manifest_path(digest))
         fsync_dir(self.manifests)
 
-    def _linked(self, model_dir: Path, file_blobs: dict[str, str]) -> bool:
+    def _linked(self, model_dir: Path, file_blobs: dict[str, str], blob: Any) -> bool:
         """Whether `model_dir` holds exactly the links to these blobs (not, say, a corrupt file's)."""
         try:
-            return all(os.path.samefile(model_dir / path, self.blob_path(sha)) for path, sha in file_blobs.items())
+            return all(os.path.samefile(model_dir / path, blob(sha)) for path, sha in file_blobs.items())
         except OSError:
             return False
 
@@ -232,9 +263,10 @@ class Store:
         (self.meta / f"{digest[7:]}.json").unlink(missing_ok=True)
         self._integrity_path(digest).unlink(missing_ok=True)
         referenced = {sha for d in self.digests() for sha in self.file_blobs(d).values()}
-        for blob in self.blobs.iterdir():
-            if blob.name not in referenced:
-                blob.unlink(missing_ok=True)
+        for kept in (self.blobs, self.sealed):
+            for blob in kept.iterdir():
+                if blob.name not in referenced:
+                    blob.unlink(missing_ok=True)
 
     # ---- reading ----
 
@@ -244,30 +276,35 @@ class Store:
                 yield f"sha256:{p.stem}"
 
     def file_blobs(self, digest: str) -> dict[str, str]:
-        try:
-            return json.loads((self.meta / f"{digest[7:]}.json").read_text())["files"]  # type: ignore[no-any-return]
-        except (OSError, ValueError, KeyError):
-            return {}
+        files = self._meta(digest).get("files")
+        return files if isinstance(files, dict) else {}
 
     def entry(self, digest: str) -> WeightsEntry:
         m = self.load_manifest(digest)
-        try:
-            name = json.loads((self.meta / f"{digest[7:]}.json").read_text()).get("name", "")
-        except (OSError, ValueError):
-            name = ""
+        name = self._meta(digest).get("name", "")
         model_dir = self.model_dir(digest)
         path = model_dir / m["files"][0]["path"] if m["format"] == "gguf" else model_dir
-        return {"digest": digest, "name": name, "format": m["format"],
-                "bytes": sum(f["size"] for f in m["files"]), "layers": m.get("layers"),
-                "slice": m.get("slice"), "path": str(path), "integrity": self.integrity(digest)}
+        out: WeightsEntry = {"digest": digest, "name": name, "format": m["format"],
+                             "bytes": sum(f["size"] for f in m["files"]), "layers": m.get("layers"),
+                             "slice": m.get("slice"), "path": str(path), "integrity": self.integrity(digest)}
+        how = m.get("encryption")
+        if how is not None:
+            out["encryption"] = Encryption(cipher=how["cipher"], key_id=how["key_id"],
+                                           key_held=self.key is not None and self.key.id == how["key_id"])
+        return out
 
     def entries(self) -> list[WeightsEntry]:
         return [self.entry(d) for d in self.digests()]
 
     # ---- import ----
 
-    def import_model(self, src: Path, name: str, *, link: bool = False) -> tuple[str, dict[str, Any]]:
-        """Hash and store a local model (an HF directory, or one .gguf file); never modifies it."""
+    def import_model(self, src: Path, name: str, *, link: bool = False,
+                     encrypt: bool = False) -> tuple[str, dict[str, Any]]:
+        """Hash and store a local model (an HF directory, or one .gguf file); never modifies it. With
+        `encrypt`, every file of it is sealed under the store's key (none is kept in plaintext)."""
+        if encrypt and (self.key is None or link):
+            raise StoreError("an encrypted import needs the node's weights key (--key-file or "
+                             "$FLEET_WEIGHTS_KEY_FILE) and copies (no --link)")
         src = src.resolve()
         if src.is_dir():
             files = sorted(p for p in src.rglob("*") if p.is_file()
@@ -287,9 +324,10 @@ class Store:
             raise StoreError(f"{src} does not exist")
         entries, blobs = [], {}
         for path, rel in zip(files, rels):
-            entry = self._import_file(path, mf.safe_relpath(rel), link=link)
+            entry, stored = self._import_file(path, mf.safe_relpath(rel), link=link,
+                                              key=self.key if encrypt else None)
             entries.append(entry)
-            blobs[rel] = entry["sha256"]
+            blobs[rel] = stored
         layers = None
         if fmt == "safetensors":
             try:
@@ -298,16 +336,22 @@ class Store:
                 raise StoreError(f"{src / 'config.json'} is not JSON: {exc}") from None
         manifest = {"version": mf.MANIFEST_VERSION, "format": fmt, "layers": layers, "slice": None,
                     "files": entries}
+        if encrypt and self.key is not None:
+            manifest["encryption"] = manifest_block(self.key)
         digest = mf.digest_of(manifest)
         self.commit(digest, manifest, blobs, name)
         return digest, manifest
 
-    def _import_file(self, path: Path, rel: str, *, link: bool) -> dict[str, Any]:
+    def _import_file(self, path: Path, rel: str, *, link: bool,
+                     key: Key | None = None) -> tuple[dict[str, Any], str]:
+        """The file's manifest entry (its plaintext's hashes) and the sha256 it is stored under."""
         size = path.stat().st_size
         whole = hashlib.sha256()
         tensors: list[dict[str, Any]] = []
         tmp = self.partial / f".import-{os.getpid()}-{hashlib.sha256(rel.encode()).hexdigest()[:16]}"
-        with open(path, "rb") as fh, (open(os.devnull, "wb") if link else open(tmp, "wb")) as out:
+        with open(path, "rb") as fh, (open(os.devnull, "wb") if link else open(tmp, "wb")) as raw:
+            seal = SealWriter(raw, key, rel) if key is not None else None
+            out: Any = seal if seal is not None else raw
             if rel.endswith(".safetensors"):
                 try:
                     _, tensors = mf.read_safetensors_index(fh, size)
@@ -336,13 +380,14 @@ class Store:
                     else:
                         break
                 pos += len(chunk)
+            stored = seal.finish() if seal is not None else None
             if not link:
-                out.flush()
-                os.fsync(out.fileno())
+                raw.flush()
+                os.fsync(raw.fileno())
         for t in tensors:  # zero-length tensors never met a byte
             t.setdefault("sha256", hashlib.sha256(b"").hexdigest())
         sha = whole.hexdigest()
-        dest = self.blob_path(sha)
+        dest = self.sealed_path(stored) if stored is not None else self.blob_path(sha)
         if dest.exists():
             tmp.unlink(missing_ok=True)
         elif link:
@@ -352,5 +397,5 @@ class Store:
         entry: dict[str, Any] = {"path": rel, "size": size, "sha256": sha}
         if rel.endswith(".safetensors"):
             entry["tensors"] = tensors
-        return entry
+        return entry, stored or sha
 

@@ -1,15 +1,19 @@
 """Integrity at rest: the models the store holds re-hashed against their manifests (whole files by
 sha256 and each safetensors tensor; a slice's assembled file by its header and each tensor), one
 model at a time per agent, in a worker thread so that the API keeps answering; at start and every
-period (fleet-agent serve --verify-every), and on demand (POST /v1/weights/{digest}/verify)."""
+period (fleet-agent serve --verify-every), and on demand (POST /v1/weights/{digest}/verify). An
+encrypted model's files are decrypted on the way (every chunk's tag checked, the plaintext hashed
+against the manifest; nothing kept) when the agent holds its key, and checked against the
+ciphertext's sha256 they are stored under when it does not."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import trio
 
@@ -17,6 +21,7 @@ from wire import manifest as mf
 from wire.state import Integrity
 
 from .fetch import Fetcher
+from .sealed import Key, Unsealable, unseal
 from .store import CHUNK, Store, StoreError
 
 log = logging.getLogger("fleet-agent")
@@ -42,9 +47,20 @@ def check(store: Store, digest: str) -> list[Problem]:
     manifest = store.load_manifest(digest)
     model_dir = store.model_dir(digest)
     problems: list[Problem] = []
+    how = manifest.get("encryption")
+    key = store.key if how is not None and store.key is not None and store.key.id == how["key_id"] else None
+    stored = store.file_blobs(digest)
     for f in manifest["files"]:
+        path = model_dir / mf.safe_relpath(f["path"])
         try:
-            problem = _check_file(model_dir / mf.safe_relpath(f["path"]), f)
+            if how is None:
+                problem = _check_file(path, f)
+            elif key is not None:
+                problem = _check_sealed(path, f, key)
+            else:  # no key here: the ciphertext is checked against the sha256 it was stored under
+                whole, _ = _scan(_chunks(path), [])
+                problem = None if whole == stored.get(f["path"]) else \
+                    f"its sealed bytes hash to {whole}, stored as {stored.get(f['path'])}"
         except FileNotFoundError:
             problem = "the file is missing"
         except OSError as exc:
@@ -58,11 +74,31 @@ def _check_file(path: Path, f: dict[str, Any]) -> str | None:
     size = path.stat().st_size
     if size != f["size"]:
         return f"it has {size:,} bytes where the manifest says {f['size']:,}"
+    return _check_plain(_chunks(path), size, f)
+
+
+def _check_sealed(path: Path, f: dict[str, Any], key: Key) -> str | None:
+    """Decrypt (every chunk's tag checked) and check the plaintext as a plain file's: a plaintext of
+    another size shows as a whole-file hash that differs."""
+    with open(path, "rb") as fh:
+        try:
+            return _check_plain(unseal(fh, os.fstat(fh.fileno()).st_size, key, f["path"]), f["size"], f)
+        except Unsealable as exc:
+            return str(exc).removeprefix(f"{f['path']}: ")
+
+
+def _chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            yield chunk
+
+
+def _check_plain(chunks: Iterable[bytes], size: int, f: dict[str, Any]) -> str | None:
     spans = [(f"tensor {t['name']}", t["begin"], t["end"], t["sha256"]) for t in f.get("tensors", ())]
     if f.get("assembled"):  # a slice's own file: no whole-file hash in the manifest, but every byte in a span
         header_end = spans[0][1] if spans else size
         spans.insert(0, ("the slice header", 0, header_end, f["header_sha256"]))
-    whole, bad = _scan(path, spans)
+    whole, bad = _scan(chunks, spans)
     if bad is not None:
         return f"{bad} does not match its sha256 in the manifest"
     if not f.get("assembled") and whole != f["sha256"]:
@@ -70,27 +106,26 @@ def _check_file(path: Path, f: dict[str, Any]) -> str | None:
     return None
 
 
-def _scan(path: Path, spans: list[tuple[str, int, int, str]]) -> tuple[str, str | None]:
-    """One pass over the file: its sha256, and the first span (what, begin, end, sha256) whose
+def _scan(chunks: Iterable[bytes], spans: list[tuple[str, int, int, str]]) -> tuple[str, str | None]:
+    """One pass over a file's bytes: its sha256, and the first span (what, begin, end, sha256) whose
     bytes do not hash to its sha256."""
     whole, h = hashlib.sha256(), hashlib.sha256()
     spans = sorted(spans, key=lambda s: (s[1], s[2]))
     i, pos, bad = 0, 0, None
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            whole.update(chunk)
-            end, view = pos + len(chunk), memoryview(chunk)
-            while i < len(spans) and spans[i][1] < end:
-                what, begin, stop, sha = spans[i]
-                lo, hi = max(begin, pos), min(stop, end)
-                if lo < hi:
-                    h.update(view[lo - pos:hi - pos])
-                if stop > end:
-                    break
-                if bad is None and h.hexdigest() != sha:
-                    bad = what
-                h, i = hashlib.sha256(), i + 1
-            pos = end
+    for chunk in chunks:
+        whole.update(chunk)
+        end, view = pos + len(chunk), memoryview(chunk)
+        while i < len(spans) and spans[i][1] < end:
+            what, begin, stop, sha = spans[i]
+            lo, hi = max(begin, pos), min(stop, end)
+            if lo < hi:
+                h.update(view[lo - pos:hi - pos])
+            if stop > end:
+                break
+            if bad is None and h.hexdigest() != sha:
+                bad = what
+            h, i = hashlib.sha256(), i + 1
+        pos = end
     for what, _, _, sha in spans[i:]:  # empty spans at the very end
         if bad is None and h.hexdigest() != sha:
             bad = what

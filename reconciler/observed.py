@@ -23,6 +23,7 @@ class HeldModel:
     name: str = ""
     path: str = ""  # where the agent keeps it: scrubbed from answers relayed to clients
     corrupt: str | None = None  # the agent's verification found it bad: "FILE: REASON"
+    key_missing: str | None = None  # encrypted under this key id, which its agent does not hold
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,9 @@ class ObservedServer:
     settings: dict[str, Any]
     reason: str | None = None
     group: str | None = None  # the pipeline group a stage was started in (its `pipeline.group`)
+    # What its worker asks of every request (the router sends it); its shape is the schema's, so it
+    # cannot carry a line break into a request head.
+    credential: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,12 +111,13 @@ def node_from_state(name: str, state: dict[str, Any]) -> ObservedNode:
         sl = w.get("slice") or {}
         integrity = w.get("integrity") or {}
         corrupt = f"{integrity.get('file')}: {integrity.get('reason')}" if integrity.get("state") == "corrupt" else None
+        sealed = w.get("encryption") or {}
         weights[w["digest"]] = HeldModel(w["digest"], w.get("format", ""), int(w.get("bytes", 0)),
                                          sl.get("of"), sl.get("layers"), w.get("name") or "", w.get("path") or "",
-                                         corrupt)
+                                         corrupt, None if sealed.get("key_held", True) else str(sealed.get("key_id")))
     servers = {s["id"]: ObservedServer(s["id"], s.get("state", ""), s.get("model", ""), int(s.get("port", 0)),
                                        dict(s.get("settings") or {}), s.get("reason"),
-                                       (s.get("pipeline") or {}).get("group"))
+                                       (s.get("pipeline") or {}).get("group"), s.get("credential") or "")
                for s in state.get("servers", [])}
     return ObservedNode(
         name=name, identity=state.get("identity", {}).get("id"), observed_at=state.get("observed_at"),

@@ -276,6 +276,14 @@ class _Planner:
                                f"it serves weights found corrupt ({corrupt}); start it again on the copy fetched again")
                         change = Change(Action.REPLACE, address, node, why, tuple(deps),
                                         ReplaceDetails(**details, before=before))
+                held = obs.weights.get(model.digest)
+                if change is not None and held is not None and held.key_missing:
+                    self.diags.append(error(
+                        "encrypted_key_missing", f"cannot start encrypted model {model.name!r} on {node!r}: its agent "
+                        f"does not hold key {held.key_missing}, which the weights are encrypted under",
+                        "Start fleet-agent there with --key-file (or $FLEET_WEIGHTS_KEY_FILE) naming that key.",
+                        address=address))
+                    continue
                 if change is not None:
                     self.changes.append(change)
                     previous = address

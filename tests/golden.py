@@ -71,6 +71,8 @@ def snapshot(fleet: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
                 entry.update(digest=mf.digest_of(sliced), slice=sliced["slice"])
             if "digest" in w:
                 entry["digest"] = w["digest"]
+            if "key" in w:  # an encrypted model: {key_id, key_held}, as its agent reports it
+                entry["encryption"] = {"cipher": "aes-256-gcm", **w["key"]}
             if "corrupt" in w:  # {file, reason}: what the agent's verification found
                 entry["integrity"] = {"state": "corrupt", "checked_at": "2026-11-30T11:00:00+00:00", **w["corrupt"]}
             weights.append(entry)

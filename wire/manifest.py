@@ -3,7 +3,9 @@
 A manifest lists a model's files with size and sha256; for safetensors files also each tensor
 (name, dtype, shape, byte range, sha256). The model's digest is the sha256 of the canonical JSON.
 A slice manifest is computed from the full manifest alone, so the control plane can promise a
-slice's digest without reading any weights."""
+slice's digest without reading any weights. An encrypted model's manifest is its plaintext's, plus
+`encryption` (cipher, chunk size, the key's id; never the key): its digest pins the model's bytes
+and how they are sealed, not one sealing's random nonces (agent/sealed.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any, BinaryIO
 from .layers import LayerRange
 
 MANIFEST_VERSION = 1
+ENCRYPTION_CIPHER = "aes-256-gcm"  # the only cipher of an encrypted model (agent/sealed.py)
 # \Z, not $: under re.match `$` also matches before a final newline, and "sha256:…\n" would pass.
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 HEX_RE = re.compile(r"^[0-9a-f]{64}\Z")
@@ -121,6 +124,8 @@ def make_slice(full: dict[str, Any], full_digest: str, layers: LayerRange) -> di
     assembled into one safetensors file."""
     if full.get("format") != "safetensors":
         raise ManifestError("only safetensors models can be sliced by layers")
+    if full.get("encryption"):
+        raise ManifestError("an encrypted model is served whole, on the node holding its key; it is not sliced")
     if full.get("slice"):
         raise ManifestError("a slice is sliced from the full model's manifest, not from another slice")
     total = full.get("layers")
@@ -167,6 +172,10 @@ def validate(manifest: Any) -> dict[str, Any]:
         raise ManifestError("not a version-1 manifest")
     if manifest.get("format") not in ("safetensors", "gguf"):
         raise ManifestError(f"unknown model format {str(manifest.get('format'))[:40]!r}")
+    how = manifest.get("encryption")
+    if how is not None and (not isinstance(how, dict) or how.get("cipher") != ENCRYPTION_CIPHER
+                            or not isinstance(how.get("key_id"), str) or not isinstance(how.get("chunk_bytes"), int)):
+        raise ManifestError(f"unknown encryption {str(how)[:80]!r}: expected {ENCRYPTION_CIPHER} with key_id and chunk_bytes")
     files = manifest.get("files")
     if not isinstance(files, list) or not files:
         raise ManifestError("manifest lists no files")

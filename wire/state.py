@@ -72,6 +72,14 @@ class Integrity(TypedDict):
     reason: str | None  # what was wrong with it (and how many other files were bad)
 
 
+class Encryption(TypedDict):
+    """How a held model is encrypted at rest (agent/sealed.py), and whether this agent can decrypt it."""
+
+    cipher: str  # "aes-256-gcm"
+    key_id: str  # the key it is sealed under, by id (never the key)
+    key_held: bool  # the agent holds that key: without it no server starts on the model
+
+
 class WeightsEntry(TypedDict):
     """A model held, whole or a slice."""
 
@@ -84,6 +92,7 @@ class WeightsEntry(TypedDict):
     path: str
     simulated: NotRequired[bool]  # claimed by a simulated agent (fleet-agent simulate): no bytes behind it
     integrity: NotRequired[Integrity]  # sent by agents that verify what they hold
+    encryption: NotRequired[Encryption]  # only for a model encrypted at rest
 
 
 class FetchJob(TypedDict):
@@ -129,6 +138,9 @@ class ServerEntry(TypedDict):
     reason: str | None  # why it failed, first line first
     exit: ServerExit | None
     pipeline: NotRequired[PipelineInfo]  # only for a pipeline stage
+    # What the worker asks of every request, as `Authorization: Bearer CREDENTIAL` (the router sends
+    # it); absent from agents that predate it.
+    credential: NotRequired[str]
 
 
 class AgentState(TypedDict):

@@ -1,0 +1,112 @@
+"""The sealed file format (agent/sealed.py): round trips at every size around the chunk boundaries,
+and every way to alter a sealed file (a flipped byte, a cut, reordered or swapped chunks, another
+file's or another key's chunks) found by the cipher; and where the key comes from."""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from agent.sealed import (HEADER, KEY_ENV, KEY_FILE_ENV, TAG_BYTES, KeyProblem, Unsealable, load_key, make_key,
+                          parse_key, seal_bytes, unseal)
+
+KEY = make_key(bytes(range(32)))
+OTHER = make_key(bytes(range(1, 33)))
+CHUNK = 16
+
+
+def opened(sealed: bytes, key=KEY, rel: str = "model.safetensors") -> bytes:
+    return b"".join(unseal(io.BytesIO(sealed), len(sealed), key, rel))
+
+
+@pytest.mark.parametrize("size", [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 3 * CHUNK + 5])
+def test_round_trip(size: int) -> None:
+    plain = os.urandom(size)
+    sealed = seal_bytes(plain, KEY, "model.safetensors", CHUNK)
+    chunks = max(1, -(-size // CHUNK))
+    assert len(sealed) == HEADER.size + size + chunks * TAG_BYTES
+    assert opened(sealed) == plain
+    assert plain == b"" or plain not in sealed
+
+
+def test_every_flipped_byte_is_found() -> None:
+    sealed = seal_bytes(os.urandom(2 * CHUNK + 3), KEY, "m", CHUNK)
+    for i in range(len(sealed)):
+        bad = bytearray(sealed)
+        bad[i] ^= 0x01
+        with pytest.raises(Unsealable):
+            opened(bytes(bad), rel="m")
+
+
+def test_cut_at_a_chunk_boundary_is_found() -> None:
+    sealed = seal_bytes(os.urandom(3 * CHUNK), KEY, "m", CHUNK)
+    for chunks in (1, 2):
+        with pytest.raises(Unsealable, match="fails authentication"):
+            opened(sealed[:HEADER.size + chunks * (CHUNK + TAG_BYTES)], rel="m")
+    with pytest.raises(Unsealable, match="truncated|fails"):
+        opened(sealed[:-1], rel="m")
+
+
+def test_reordered_chunks_are_found() -> None:
+    sealed = seal_bytes(os.urandom(3 * CHUNK), KEY, "m", CHUNK)
+    h, n = HEADER.size, CHUNK + TAG_BYTES
+    swapped = sealed[:h] + sealed[h + n:h + 2 * n] + sealed[h:h + n] + sealed[h + 2 * n:]
+    with pytest.raises(Unsealable, match="chunk 0 of 3"):
+        opened(swapped, rel="m")
+
+
+def test_another_files_chunk_or_name_or_key_is_found() -> None:
+    plain = os.urandom(2 * CHUNK)
+    a, b = seal_bytes(plain, KEY, "a", CHUNK), seal_bytes(plain, KEY, "a", CHUNK)
+    assert a != b  # a random nonce prefix per file
+    mixed = a[:HEADER.size + CHUNK + TAG_BYTES] + b[HEADER.size + CHUNK + TAG_BYTES:]
+    with pytest.raises(Unsealable):
+        opened(mixed, rel="a")
+    with pytest.raises(Unsealable):
+        opened(a, rel="b")  # the same bytes presented as another file of the model
+    with pytest.raises(Unsealable, match="another key"):
+        opened(a, key=OTHER, rel="a")
+
+
+def test_bad_headers() -> None:
+    with pytest.raises(Unsealable, match="too short"):
+        opened(b"FLT", rel="m")
+    with pytest.raises(Unsealable, match="not a sealed file"):
+        opened(struct.pack(">8s8sI", b"GGUF\0\0\0\0", b"\0" * 8, 16) + b"\0" * 16, rel="m")
+
+
+def test_key_forms_and_ids(tmp_path: Path) -> None:
+    secret = os.urandom(32)
+    assert parse_key(secret, "x") == parse_key(secret.hex().encode() + b"\n", "x")
+    assert repr(parse_key(secret, "x")).count(secret.hex()) == 0
+    assert make_key(secret).id != make_key(os.urandom(32)).id and len(make_key(secret).id) == 16
+    with pytest.raises(KeyProblem, match="32 raw bytes or 64 hex"):
+        parse_key(b"short", "the file")
+
+
+def test_key_file_must_be_private(tmp_path: Path) -> None:
+    path = tmp_path / "key"
+    path.write_bytes(os.urandom(32))
+    path.chmod(0o644)
+    with pytest.raises(KeyProblem, match="readable by others"):
+        load_key(str(path), {})
+    path.chmod(0o600)
+    assert load_key(str(path), {}) is not None
+    with pytest.raises(KeyProblem, match="cannot read"):
+        load_key(str(tmp_path / "missing"), {})
+
+
+def test_key_sources_in_order(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for p in (a, b):
+        p.write_bytes(os.urandom(32))
+        p.chmod(0o600)
+    env = {KEY_FILE_ENV: str(b), KEY_ENV: os.urandom(32).hex()}
+    assert load_key(str(a), env) == parse_key(a.read_bytes(), "a")
+    assert load_key(None, env) == parse_key(b.read_bytes(), "b")
+    assert load_key(None, {KEY_ENV: env[KEY_ENV]}) == parse_key(env[KEY_ENV].encode(), "env")
+    assert load_key(None, {}) is None
