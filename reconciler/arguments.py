@@ -81,6 +81,10 @@ def _json(p: Parser, what: str) -> None:
 
 def _state_dir(p: Parser, what: str) -> None:
     _completer(p.add_argument("--state-dir", metavar="DIR", help=f"{what} {STATE_DIR_DEFAULT}"), _dirs())
+    p.add_argument("--state", metavar="URL",
+                   help="the state store as a URL, in place of --state-dir: sqlite:///DIR, or postgresql://HOST/DB "
+                        "shared by a team (default: $FLEET_STATE_URL, else control_plane.state in the fleet file; "
+                        "a password comes from PGPASSWORD or ~/.pgpass)")
 
 
 def _agents(p: Parser) -> None:

@@ -9,6 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from wire.layers import LayerRange, LayerRangeError
 
@@ -106,6 +107,11 @@ class _Checker:
     def run(self) -> list[Diagnostic]:
         cp = self.data["control_plane"]["node"]
         self.node_ref(cp, ("control_plane", "node"), "control_plane.node")
+        state = self.data["control_plane"].get("state")
+        if isinstance(state, str) and urlsplit(state).password is not None:
+            self.add("state_password_in_file", ("control_plane", "state"),
+                     "control_plane.state holds a password: fleet.yaml is shared and kept in version control",
+                     "Remove it from the URL; PostgreSQL takes it from PGPASSWORD or ~/.pgpass (libpq).")
         self.check_nodes()
         for name, model in self.models.items():
             self.node_ref(model["source"], ("models", name, "source"), f"the source of model {name!r}")
@@ -380,5 +386,5 @@ def _build(data: dict[str, Any], layers: dict[tuple[str, int], LayerRange]) -> D
                    control_plane=ControlPlaneSpec(node=cp["node"], listen=cp.get("listen", DEFAULT_LISTEN),
                                                   api_keys_env=cp.get("api_keys_env"),
                                                   tls=ServeTlsSpec(cp["tls"]["cert"], cp["tls"]["key"])
-                                                  if "tls" in cp else None),
+                                                  if "tls" in cp else None, state=cp.get("state")),
                    nodes=nodes, models=models, replicas=replicas, clusters=clusters)

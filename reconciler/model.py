@@ -100,6 +100,7 @@ class ControlPlaneSpec:
     listen: str = DEFAULT_LISTEN
     api_keys_env: str | None = None
     tls: ServeTlsSpec | None = None
+    state: str | None = None  # the state store's URL (reconciler/state_backend.py); never a password
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,6 @@ nodes are read as typed observations (reconciler/observed.py)."""
 from __future__ import annotations
 
 import argparse
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -15,22 +14,22 @@ from .model import NodeSpec
 from .observed import ObservedNode, node_from_state
 from .outcome import Failure, print_json
 from .render import JSON_FORMAT_VERSION, console
-from .state_store import StateStore, default_state_dir
+from .state_backend import Store, open_state, resolve
+from .state_pg import StateError
 
 
-def open_store(state_dir: str | None) -> StateStore:
-    """The state directory's store (--state-dir, else the default); one that cannot be opened is a
-    refusal naming the directory, not a bug."""
-    where = Path(state_dir) if state_dir else default_state_dir()
+def open_store(state_dir: str | None, url: str | None = None, in_file: str | None = None) -> Store:
+    """The state store (--state URL, else --state-dir, else $FLEET_STATE_URL, else the fleet file's
+    control_plane.state, else the default directory); one that cannot be opened is a refusal with
+    its code (state_backend.py), not a bug."""
     try:
-        return StateStore(where)
-    except (OSError, sqlite3.Error) as exc:
-        raise Failure(Exit.INVALID_CONFIG, "state_dir_unusable", f"cannot use the state directory {where}: {exc}",
-                      hint="give another with --state-dir DIR or FLEET_STATE_DIR") from None
+        return open_state(resolve(url, state_dir, in_file))
+    except StateError as exc:
+        raise Failure(Exit.INVALID_CONFIG, exc.code, str(exc), hint=exc.hint or "") from None
 
 
-def _open(args: argparse.Namespace) -> StateStore:
-    return open_store(args.state_dir)
+def _open(args: argparse.Namespace) -> Store:
+    return open_store(args.state_dir, getattr(args, "state", None))
 
 
 def cmd_unlock(args: argparse.Namespace) -> int:
@@ -42,6 +41,10 @@ def cmd_unlock(args: argparse.Namespace) -> int:
         if holder.id != args.lock_id:
             raise Failure(Exit.LOCKED, "lock_held", f"the lock is held by {holder.describe()}, not {args.lock_id}",
                           hint=f"if that process is gone for good: fleet unlock {holder.id}")
+        if not store.applies.releasable(holder):
+            raise Failure(Exit.LOCKED, "lock_held", f"the lock is held by {holder.describe()}, whose session "
+                          "with the shared state store is still open: the lock ends with it",
+                          hint="stop that apply (its lock goes the moment its connection does)")
         store.applies.release(holder.id)
     console(stderr=True).print(f"released the lock of {holder.describe()}")
     return Exit.OK

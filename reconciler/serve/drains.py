@@ -15,10 +15,11 @@ from .heartbeat import View, utc_now
 log = logging.getLogger("fleet")
 
 EVERY_S = 0.05  # how often the board is looked at: the longest a drain waits to be seen
+IDLE_S = 1.0  # with notifications, the longest between two looks while nothing is drained
 
 
 class WatchBoard(Protocol):
-    """What serve reads and writes of the board (state_store.DrainRows)."""
+    """What serve reads and writes of the board (state_store.DrainRows, on either store)."""
 
     def changed(self) -> bool: ...
     def active(self) -> list[Drain]: ...
@@ -27,13 +28,17 @@ class WatchBoard(Protocol):
 
 class DrainWatcher:
     """`in_flight(server_id)`: requests the router has on that member now; `refresh(nodes)`: ask
-    those agents now (Heartbeat.refresh); `on_change(n)`: members drained now (the metrics)."""
+    those agents now (Heartbeat.refresh); `on_change(n)`: members drained now (the metrics);
+    `wait(limit)`: until the board may have changed (None: look every `every` seconds); `answers()`:
+    whether this process answers in the rows (the leader, when several serve one shared store)."""
 
     def __init__(self, board: WatchBoard, view: View, in_flight: Callable[[str], int],
                  refresh: Callable[[Collection[str]], Awaitable[None]], *, every: float = EVERY_S,
-                 now: Callable[[], str] = utc_now, on_change: Callable[[int], None] | None = None) -> None:
+                 now: Callable[[], str] = utc_now, on_change: Callable[[int], None] | None = None,
+                 wait: Callable[[float], Awaitable[None]] | None = None,
+                 answers: Callable[[], bool] = lambda: True) -> None:
         self.board, self.view, self.in_flight, self.refresh = board, view, in_flight, refresh
-        self.every, self.now = every, now
+        self.every, self.now, self.wait, self.answers = every, now, wait, answers
         self.on_change = on_change or (lambda n: None)
         self.rows: list[Drain] = []
 
@@ -41,7 +46,10 @@ class DrainWatcher:
         task_status.started()
         while True:
             await self.tick()
-            await trio.sleep(self.every)
+            if self.wait is None or self.rows:  # a drain under way: its requests in flight are counted
+                await trio.sleep(self.every)
+            else:  # nothing drained: until the store says something changed (PostgreSQL's NOTIFY)
+                await self.wait(IDLE_S)
 
     async def tick(self) -> None:
         # Nothing committed by another process and nothing being drained: one PRAGMA, no query.
@@ -55,6 +63,8 @@ class DrainWatcher:
                 log.info("draining %s for an apply: new requests go to the other members", sid)
             self.view.draining = drained
             self.on_change(len(drained))
+        if not self.answers():  # another `fleet serve` leads: it answers, and admits (serve/leader.py)
+            return
         for d in self.rows:
             if d.phase == "drain":
                 n = self.in_flight(d.server_id)

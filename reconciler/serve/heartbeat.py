@@ -47,12 +47,13 @@ class View:
 
 class Heartbeat:
     """`observe` asks the fleet (reconciler.observe.observer in production); `store` keeps what it
-    found; `now` stamps the rows; `on_plan` hears each beat's drift plan (the metrics)."""
+    found; `now` stamps the rows; `on_plan` hears each beat's drift plan (the metrics); `view`: the
+    router's, when this heartbeat takes over from a leader that died."""
 
     def __init__(self, desired: Desired, observe: ObserveFn, store: ServeRecord, *,
                  interval: float = DEFAULT_INTERVAL_S, misses: int = DEFAULT_MISSES, timeout: float = 10.0,
                  now: Callable[[], str] = utc_now, on_beat: Callable[[float], None] | None = None,
-                 on_plan: Callable[[Plan], None] | None = None) -> None:
+                 on_plan: Callable[[Plan], None] | None = None, view: View | None = None) -> None:
         self.d = desired
         self.observe = observe
         self.store = store
@@ -62,7 +63,7 @@ class Heartbeat:
         self.now = now
         self.on_beat = on_beat or (lambda seconds: None)
         self.on_plan = on_plan or (lambda p: None)
-        self.view = View()
+        self.view = view if view is not None else View()  # given: a follower's view it takes over (serve/leader.py)
         # What the store holds, so that a beat writes only what changed (at 10,000 nodes a row
         # per node and member each beat was most of a quiet beat's cost).
         self._nodes_written: dict[str, object] = {}  # the node written, or (status, cause)

@@ -14,12 +14,14 @@ import trio
 from ..client import AgentClient
 from ..model import Desired
 from ..observe import observer
+from ..state_pg import SharedStore
 from ..state_store import DrainRows, ServeRecord
 from .drains import DrainWatcher
+from .leader import Roles
 from ..transport import SocketTransport
 from .front import Front, connection_cap, raise_descriptor_limit
 from .http1 import Limits
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, View
 from .metrics import ServeMetrics
 from .router import Router
 from .streams import ServerTls, TlsFiles
@@ -53,27 +55,40 @@ def server_tls(desired: Desired) -> ServerTls | None:
 
 
 async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: float, misses: int,
-                timeout: float, drains: DrainRows | None = None) -> None:
+                timeout: float, drains: DrainRows | None = None, shared: SharedStore | None = None) -> None:
     """`drains`: where `fleet apply` asks for members to be drained around a replace (the state
-    store's; None: no apply drains through this process)."""
+    store's; None: no apply drains through this process). `shared`: the PostgreSQL store `store`
+    and `drains` are part of, which other `fleet serve` processes may share: this one leads the
+    heartbeat while it holds the leadership lock, and follows the leader's rows otherwise
+    (serve/leader.py); changes arrive by NOTIFY."""
     keys = api_keys(desired)
     tls = server_tls(desired)
     nofile = raise_descriptor_limit()  # the front's connection cap follows it
     # The heartbeat keeps a connection per agent between beats (transport.SocketTransport), out
     # of the descriptors the front's cap is computed from.
     kept = min(len(desired.nodes), nofile // 4)
-    # Each beat commits from the event loop. In WAL mode synchronous=NORMAL drops the commit's
-    # fsync, which stalled every stream for it on each beat (4 ms median, 12 ms max measured);
-    # the file stays consistent, and a power cut loses at most the last beat's rows.
-    store.db.execute("PRAGMA synchronous=NORMAL")
+    store.tune_for_serve()  # no fsync per beat: ServeRecord.tune_for_serve says why
     transport = SocketTransport(keep_alive=True, max_idle=kept)
     async with AgentClient(secret, timeout=timeout, transport=transport) as client:
         metrics = ServeMetrics()
-        heartbeat = Heartbeat(desired, observer(desired, client), store, interval=interval, misses=misses,
-                              timeout=timeout, on_beat=metrics.beat_seconds.observe, on_plan=metrics.planned)
-        router = Router(desired, heartbeat.view, api_keys=keys, metrics=metrics)
-        watcher = (DrainWatcher(drains, heartbeat.view, router.in_flight, heartbeat.refresh,
-                                on_change=metrics.draining.set) if drains is not None else None)
+        observe = observer(desired, client)
+
+        def make_heartbeat(view: View | None = None) -> Heartbeat:
+            return Heartbeat(desired, observe, store, interval=interval, misses=misses, timeout=timeout,
+                             on_beat=metrics.beat_seconds.observe, on_plan=metrics.planned, view=view)
+
+        heartbeat = make_heartbeat()
+        view = heartbeat.view
+        router = Router(desired, view, api_keys=keys, metrics=metrics)
+        notifier = shared.notifier() if shared is not None else None
+        roles = (Roles(make_heartbeat, view, store, shared.leader_lock(),
+                       lambda limit: notifier.wait(ServeRecord.CHANNEL, limit), poll_s=min(interval / 4, 2.0))
+                 if shared is not None and notifier is not None else None)
+        watcher = (DrainWatcher(drains, view, router.in_flight, roles.refresh if roles else heartbeat.refresh,
+                                on_change=metrics.draining.set,
+                                wait=(lambda limit: notifier.wait(DrainRows.CHANNEL, limit)) if notifier else None,
+                                answers=(lambda: roles.leading) if roles else (lambda: True))
+                   if drains is not None else None)
         host, _, port = desired.control_plane.listen.rpartition(":")
         front = Front(router.app(), Limits(max_connections=connection_cap(nofile - kept)), tls=tls,
                       on_drop=lambda reason: metrics.connections_dropped.labels(reason).inc())
@@ -93,7 +108,12 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(on_signal)
-            await nursery.start(heartbeat.run)
+            if shared is not None and notifier is not None and roles is not None:
+                await nursery.start(notifier.run)
+                shared.sql.watch = notifier.watcher(DrainRows.CHANNEL)
+                await nursery.start(roles.run)
+            else:
+                await nursery.start(heartbeat.run)
             if watcher is not None:
                 await nursery.start(watcher.run)
             log.info("serving %d clusters on %s://%s (heartbeat every %gs, at most %d client connections)",

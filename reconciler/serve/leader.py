@@ -1,0 +1,105 @@
+"""Several `fleet serve` processes on one shared store: the one holding the leadership lock runs the
+heartbeat (asks the agents, writes node status, server rows and alerts, so an alert is raised
+once); the others route from what it writes, re-read when it notifies a change; when the leader
+dies its lock goes with its connection, and the first follower to look takes over."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Awaitable, Callable, Collection, Protocol
+
+import trio
+
+from ..observed import node_from_state
+from ..state_store import ServeRecord
+from .heartbeat import Heartbeat, View
+
+log = logging.getLogger("fleet")
+
+
+class Lock(Protocol):
+    """state_pg.LeaderLock: blocking calls, run here in a thread."""
+
+    def try_take(self) -> bool: ...
+    def held(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class Follower:
+    """The router's view from the leader's rows: a node is up when its row says online, and what it
+    runs is the state its row keeps (re-parsed only when that text changed)."""
+
+    def __init__(self, record: ServeRecord, view: View) -> None:
+        self.record, self.view = record, view
+        self._texts: dict[str, str] = {}
+
+    def sync(self) -> None:
+        for name, status, text in self.record.node_states():
+            if text is not None and self._texts.get(name) != text:
+                self.view.nodes[name] = node_from_state(name, json.loads(text))
+                self._texts[name] = text
+            self.view.online[name] = status == "online" and name in self.view.nodes
+        self.view.beats += 1
+
+
+class Roles:
+    """Lead or follow, for as long as serve runs. `make_heartbeat(view)`: a heartbeat for a term
+    as leader (a fresh one each term: what a former term wrote may have been changed since by
+    another leader); `changed(limit)`: until the leader's next notification, or `limit` seconds;
+    `poll_s`: how often a follower tries to take the lead, and the leader checks it still holds it
+    (a follower takes over within that much of the leader's death, plus one beat)."""
+
+    def __init__(self, make_heartbeat: Callable[[View], Heartbeat], view: View, record: ServeRecord, lock: Lock,
+                 changed: Callable[[float], Awaitable[None]], *, poll_s: float,
+                 on_lead: Callable[[bool], None] | None = None) -> None:
+        self.make_heartbeat, self.view, self.lock, self.changed = make_heartbeat, view, lock, changed
+        self.follower = Follower(record, view)
+        self.poll_s = poll_s
+        self.on_lead = on_lead or (lambda leading: None)
+        self.heartbeat: Heartbeat | None = None  # while this process leads
+
+    @property
+    def leading(self) -> bool:
+        return self.heartbeat is not None
+
+    async def refresh(self, nodes: Collection[str]) -> None:
+        """Heartbeat.refresh while leading; a follower asks nothing (the leader admits drains)."""
+        if self.heartbeat is not None:
+            await self.heartbeat.refresh(nodes)
+
+    async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Started once this process routes: after its first beat as leader, or its first read of
+        the leader's rows as follower."""
+        started = False
+        try:
+            while True:
+                if await trio.to_thread.run_sync(self.lock.try_take):
+                    await self._lead(None if started else task_status)
+                    started = True
+                    continue
+                self.follower.sync()
+                if not started:
+                    task_status.started()
+                    started = True
+                await self.changed(self.poll_s)
+        finally:
+            self.lock.close()
+
+    async def _lead(self, task_status: Any) -> None:
+        log.info("leading the heartbeat (the shared state store's leadership lock is this process's)")
+        self.heartbeat = self.make_heartbeat(self.view)
+        self.on_lead(True)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.heartbeat.run)
+                if task_status is not None:
+                    task_status.started()
+                while await trio.to_thread.run_sync(self.lock.held):
+                    await trio.sleep(self.poll_s)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.heartbeat = None
+            self.on_lead(False)
+        log.warning("lost the leadership lock (the state store's connection ended): following until it "
+                    "can be taken again")
