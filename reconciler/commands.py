@@ -130,7 +130,7 @@ def _stale(saved: Plan, loaded: config.Loaded, args: argparse.Namespace) -> list
 def cmd_apply(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
     # The lock covers planning too: two applies planning at once would both plan the same work.
-    with open_store(args.state_dir) as store:
+    with open_store(args.state_dir, args.state, loaded.desired.control_plane.state if loaded.desired else None) as store:
         ledger = store.applies
         try:
             lock, taken = ledger.acquire(" ".join(["fleet", *sys.argv[1:]]))
@@ -230,6 +230,7 @@ def cmd_serve(args: argparse.Namespace, path: str) -> int:
     import logging
 
     from .serve.run import ServeRefused, serve
+    from .state_pg import SharedStore
 
     loaded = _load(path)
     desired = loaded.desired
@@ -237,10 +238,11 @@ def cmd_serve(args: argparse.Namespace, path: str) -> int:
     logging.basicConfig(level=logging.INFO, format="fleet serve: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request is noise
     secret = _secret()
-    store = open_store(args.state_dir)
+    store = open_store(args.state_dir, args.state, desired.control_plane.state)
     try:
         trio.run(lambda: serve(desired, secret, store.serve, interval=args.interval, misses=args.misses,
-                               timeout=args.timeout, drains=store.drains))
+                               timeout=args.timeout, drains=store.drains,
+                               shared=store if isinstance(store, SharedStore) else None))
     except ServeRefused as exc:
         raise Failure(Exit.INVALID_CONFIG, "serve_refused", str(exc)) from None
     except OSError as exc:
