@@ -24,6 +24,7 @@ log = logging.getLogger("fleet")
 # Advisory locks are (class, object) pairs per database; the class is "flee" in ASCII.
 KEY = 0x666C6565
 APPLY, LEAD, MIGRATE = 1, 2, 3
+LOCK_WAIT_MS = 500  # how long an apply waits for the lock before it is refused
 APP_NAME = "fleet-apply:"  # the session holding the apply lock says its lock id in application_name
 CONNECT_TIMEOUT_S = 10
 # The server ends a session whose client host vanished (power cut, partition) after about 25 s,
@@ -106,7 +107,16 @@ class PgSql:
         return True if self.watch is None else self.watch()
 
     def take_apply_lock(self, lock_id: str) -> bool:
-        got = bool(self.execute(f"SELECT pg_try_advisory_lock({KEY}, {APPLY})").fetchone()[0])
+        """Waits up to LOCK_WAIT_MS: a holder killed a moment ago has its session ended by the server
+        a few milliseconds after its connection closed, and the next apply gets in then."""
+        pg = _driver()
+        try:
+            with self.conn.transaction():
+                self.conn.execute(f"SET LOCAL lock_timeout = '{LOCK_WAIT_MS}ms'")
+                self.conn.execute(f"SELECT pg_advisory_lock({KEY}, {APPLY})")
+            got = True
+        except pg.errors.LockNotAvailable:
+            got = False
         if got:
             self._holding = True
             self.execute("SELECT set_config('application_name', ?, false)", (APP_NAME + lock_id,))

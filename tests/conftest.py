@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -39,3 +40,14 @@ def smollm2_f32(request: pytest.FixtureRequest) -> Path:
     from tests.models import smollm2_safetensors
 
     return smollm2_safetensors(Path(request.config.cache.mkdir("fleet-models")))
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[object]:
+    """A real PostgreSQL for the session (tests/postgres.py); skipped, saying why, where there is none."""
+    from tests import postgres as pg
+
+    why = pg.why_not()
+    if why is not None:
+        pytest.skip(f"no PostgreSQL here: {why}")
+    yield from pg.start()

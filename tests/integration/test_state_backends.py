@@ -1,0 +1,181 @@
+"""The state store on both backends, from one suite: the apply lock and its holder, migrations of an
+older store and refusal of a newer one, alerts raised once, drains that count only while their
+apply lives; on PostgreSQL also a lock that ends with its session, NOTIFY, and leadership."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import trio
+
+from reconciler.state_backend import Store, open_state, sqlite_url
+from reconciler.state_pg import StateError
+from reconciler.state_sql import LATEST
+from reconciler.state_store import Drain, LockHeld, ServeRecord
+from tests.postgres import Server
+
+Opener = Callable[[], Store]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """(dialect, URL of a fresh store): a state directory, or a fresh database on the session's server."""
+    if request.param == "sqlite":
+        yield "sqlite", sqlite_url(tmp_path / "state")
+    else:
+        server: Server = request.getfixturevalue("postgres")
+        yield "postgresql", server.fresh_url()
+
+
+@pytest.fixture
+def opened(backend: tuple[str, str]) -> Iterator[Opener]:
+    stores: list[Store] = []
+
+    def open_one() -> Store:
+        stores.append(open_state(backend[1]))
+        return stores[-1]
+
+    yield open_one
+    for s in stores:
+        s.close()
+
+
+def test_one_apply_holds_the_lock_and_the_refused_one_is_told_who(opened: Opener) -> None:
+    a, b = opened(), opened()
+    lock, taken = a.applies.acquire("fleet apply plan.json")
+    assert taken is None
+    with pytest.raises(LockHeld) as refused:
+        b.applies.acquire("fleet apply")
+    assert refused.value.holder == lock and "fleet apply plan.json" in str(refused.value)
+    assert b.applies.holder() == lock
+    assert a.applies.release(lock.id)
+    mine, _ = b.applies.acquire("fleet apply")
+    assert b.applies.holder() == mine
+
+
+def test_postgresql_lock_ends_with_its_session(backend: tuple[str, str], opened: Opener) -> None:
+    if backend[0] != "postgresql":
+        pytest.skip("SQLite's lock is a row checked by PID on one host (tests/e2e/test_plan_apply.py)")
+    holder = opened()
+    lock, _ = holder.applies.acquire("fleet apply (killed)")
+    waiter = opened()
+    assert not waiter.applies.releasable(lock)
+    holder.close()  # what a SIGKILL does to the connection
+    mine, taken = waiter.applies.acquire("fleet apply")
+    assert taken == lock and mine.id != lock.id
+
+
+def test_an_older_store_is_migrated_and_a_newer_one_refused(backend: tuple[str, str], opened: Opener,
+                                                          tmp_path: Path) -> None:
+    dialect, url = backend
+    if dialect == "sqlite":  # a store as fleet wrote it before the version table, two open alerts alike
+        path = tmp_path / "state"
+        path.mkdir()
+        db = sqlite3.connect(path / "fleet.sqlite")
+        db.executescript("CREATE TABLE lock (one INTEGER PRIMARY KEY, id TEXT, host TEXT, pid INTEGER, user TEXT, "
+                         "since TEXT, command TEXT); CREATE TABLE alerts (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+                         "node TEXT NOT NULL, kind TEXT NOT NULL, cause TEXT NOT NULL, raised_at TEXT NOT NULL, "
+                         "cleared_at TEXT); INSERT INTO alerts (node, kind, cause, raised_at) VALUES "
+                         "('a', 'node_offline', 'x', 'T1'), ('a', 'node_offline', 'y', 'T2');")
+        db.commit()
+        db.close()
+        store = opened()
+        assert [(x["cause"], x["raised_at"]) for x in store.serve.alerts()] == [("x", "T1")]
+    else:
+        store = opened()
+    assert store.sql.execute("SELECT version FROM schema_version").fetchall() == [(LATEST,)]
+    store.sql.execute("UPDATE schema_version SET version = ?", (LATEST + 1,))
+    with pytest.raises(StateError) as refused:
+        opened()
+    assert refused.value.code == "state_too_new" and f"schema version {LATEST + 1}" in str(refused.value)
+    assert "upgrade fleet" in str(refused.value)
+
+
+def test_an_alert_is_open_once_whoever_raises_it(opened: Opener) -> None:
+    a, b = opened().serve, opened().serve
+    with a.transaction():
+        a.raise_alert("n1", "node_offline", "E: down", "T1")
+    b.raise_alert("n1", "node_offline", "E: down", "T2")
+    # The second writer may not see the first's row before it inserts: the store keeps one anyway.
+    b.sql.execute("INSERT INTO alerts (node, kind, cause, raised_at) VALUES (?,?,?,?) "
+                  "ON CONFLICT (node, kind) WHERE cleared_at IS NULL DO NOTHING", ("n1", "node_offline", "E", "T3"))
+    assert [(x["node"], x["raised_at"]) for x in b.alerts()] == [("n1", "T1")]
+    assert b.clear_alert("n1", "node_offline", "T4") and not a.clear_alert("n1", "node_offline", "T5")
+
+
+def test_node_rows_written_by_one_are_read_by_another(opened: Opener) -> None:
+    writer, reader = opened().serve, opened().serve
+    with writer.transaction():
+        writer.put_node("n1", "online", "T1", state={"servers": []}, error=None)
+        writer.put_server_row({"id": "c@n1", "cluster": "c", "node": "n1", "model": "m", "port": 1,
+                               "state": "running", "reason": None}, "T1")
+    assert reader.node_states() == [("n1", "online", '{"servers": []}')]
+    assert [r["state"] for r in reader.server_rows()] == ["running"]
+
+
+def test_drains_count_only_while_their_apply_holds_the_lock(opened: Opener) -> None:
+    apply, serve = opened(), opened()
+    lock, _ = apply.applies.acquire("fleet apply")
+    apply.drains.ask(Drain("c@n1", "n1", "c", lock.id, "drain", 30.0, "T1"))
+    assert [d.server_id for d in serve.drains.active()] == ["c@n1"]
+    apply.applies.release(lock.id)
+    assert serve.drains.active() == []
+
+
+def test_postgresql_notifies_a_committed_beat(backend: tuple[str, str], opened: Opener) -> None:
+    if backend[0] != "postgresql":
+        pytest.skip("SQLite has no notifications: serve polls PRAGMA data_version")
+    from reconciler.state_pg import SharedStore
+
+    listener, writer = opened(), opened()
+    assert isinstance(listener, SharedStore)
+    notifier = listener.notifier()
+    seen: list[float] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(notifier.run)
+            changed = notifier.watcher(ServeRecord.CHANNEL)
+            changed()
+            with writer.serve.transaction():
+                writer.serve.touch_online("T1")  # stamps only: nobody is told
+            with trio.move_on_after(0.3):
+                await notifier.wait(ServeRecord.CHANNEL, 0.3)
+            assert not changed()
+            start = trio.current_time()
+            with writer.serve.transaction():
+                writer.serve.put_node("n1", "offline", "T2", state=None, error="E")
+            await notifier.wait(ServeRecord.CHANNEL, 5)
+            seen.append(trio.current_time() - start)
+            assert changed()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert seen[0] < 1.0, seen
+
+
+def test_postgresql_leadership_passes_when_the_leader_goes(backend: tuple[str, str], opened: Opener) -> None:
+    if backend[0] != "postgresql":
+        pytest.skip("one fleet serve per SQLite store")
+    from reconciler.state_pg import SharedStore
+
+    store = opened()
+    assert isinstance(store, SharedStore)
+    first, second = store.leader_lock(), store.leader_lock()
+    assert first.try_take() and first.held()
+    assert not second.try_take()
+    first.close()  # the leader's process dies: its connection with it
+    assert second.try_take()
+
+
+def test_a_bad_url_is_a_coded_refusal(tmp_path: Path) -> None:
+    for url, code in (("mysql://x/y", "state_url_invalid"), ("sqlite:///", "state_url_invalid"),
+                      ("postgresql://nobody@127.0.0.1:1/none", "state_unreachable")):
+        with pytest.raises(StateError) as refused:
+            open_state(url)
+        assert refused.value.code == code, (url, refused.value)
+
+
