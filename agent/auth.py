@@ -1,10 +1,13 @@
-"""The cluster secret: what makes one acceptable, and the ASGI middleware that asks every request
-but /healthz for it, compared in constant time."""
+"""Bearer credentials, compared in constant time: the cluster secret every agent request but /healthz
+needs, and the per-server credential a worker asks of every request (only the router has it)."""
 
 from __future__ import annotations
 
 import hmac
 import json
+import os
+import secrets
+import sys
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -51,3 +54,53 @@ class BearerAuth:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b'Bearer realm="fleet-agent"')]})
         await send({"type": "http.response.body", "body": body})
+
+
+# A worker's credential reaches it in this environment variable, never on its command line: argv
+# is readable by every user in /proc/PID/cmdline, a process's environment only by its owner.
+WORKER_CREDENTIAL_ENV = "FLEET_WORKER_CREDENTIAL"
+
+
+def new_worker_credential() -> str:
+    """A fresh credential for one server: made at each start, so a replaced worker's is worthless."""
+    return secrets.token_urlsafe(32)
+
+
+class WorkerAuth:
+    """A worker's door: every request (health included: the agent's probe carries it too) needs
+    `Authorization: Bearer <credential>`; anything else is a 401 in OpenAI's error shape. The
+    router is given the credential through the agent's authenticated state; a client that reaches
+    the worker's port directly has none, and so does not skip the router's API keys."""
+
+    def __init__(self, app: ASGIApp, credential: str) -> None:
+        self.app = app
+        self.expected = b"Bearer " + credential.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if given is not None and hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        message = ("this worker answers only fleet's router: send requests to `fleet serve`, which checks "
+                   "your API key and forwards them")
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": "invalid_worker_credential"}}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b'Bearer realm="fleet-worker"')]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def worker_guard(app: ASGIApp) -> ASGIApp:
+    """`app` behind the credential the agent gave this worker. The variable is taken out of the
+    environment so that nothing the worker starts inherits it. A worker run by hand, without one,
+    serves anyone (and says so on stderr): the agent always gives one."""
+    credential = os.environ.pop(WORKER_CREDENTIAL_ENV, "")
+    if not credential:
+        print(f"warning: {WORKER_CREDENTIAL_ENV} is not set: this worker answers anyone who reaches its port",
+              file=sys.stderr, flush=True)
+        return app
+    return WorkerAuth(app, credential)

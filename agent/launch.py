@@ -13,7 +13,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import httpx
 import trio
@@ -76,11 +76,14 @@ class Launcher(Protocol):
     def port_problem(self, host: str, port: int) -> str | None:
         """Why a server could not listen on host:port ("in use", ...), or None when it could."""
 
-    def launch(self, argv: Sequence[str], log: Path) -> Process:
-        """Start argv with stdout and stderr appended to `log`; OSError if it cannot be started."""
+    def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str]) -> Process:
+        """Start argv with stdout and stderr appended to `log` and `env` added to the agent's own
+        environment (what must not be on a command line: the worker's credential); OSError if it
+        cannot be started."""
 
-    async def answers(self, url: str) -> bool:
-        """Whether a GET of url answers 200 now (False when nothing listens yet)."""
+    async def answers(self, url: str, credential: str) -> bool:
+        """Whether a GET of url, sent with the worker's credential, answers 200 now (False when
+        nothing listens yet)."""
 
 
 def _die_with_parent() -> None:
@@ -144,16 +147,16 @@ class ProcessLauncher:
                 return "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
         return None
 
-    def launch(self, argv: Sequence[str], log: Path) -> PopenProcess:
+    def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str]) -> PopenProcess:
         with open(log, "ab") as out:
             # Call this from the event loop's own thread, on purpose: PR_SET_PDEATHSIG fires when the
             # *thread* that forked the child exits, and trio's open_process forks from a worker
             # thread that idles out after a few seconds, killing healthy servers.
             proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    preexec_fn=_die_with_parent, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
         return PopenProcess(proc)
 
-    async def answers(self, url: str) -> bool:
+    async def answers(self, url: str, credential: str) -> bool:
         if self._client is None:
             # One client for every probe: making one costs ~90 ms of CPU (it loads the CA bundle),
             # and a probe runs every 0.25 s while a server starts. No pooled connections, so the
@@ -161,6 +164,7 @@ class ProcessLauncher:
             self._client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S,
                                              limits=httpx.Limits(max_keepalive_connections=0))
         try:
-            return (await self._client.get(url)).status_code == 200
+            headers = {"Authorization": f"Bearer {credential}"}
+            return (await self._client.get(url, headers=headers)).status_code == 200
         except httpx.TransportError:
             return False

@@ -16,7 +16,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, cast
+from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 
 import trio
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -70,10 +70,10 @@ class SimulatedLauncher:
     def port_problem(self, host: str, port: int) -> str | None:
         return None
 
-    def launch(self, argv: Sequence[str], log: Path) -> SimulatedProcess:
+    def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str]) -> SimulatedProcess:
         return SimulatedProcess()
 
-    async def answers(self, url: str) -> bool:
+    async def answers(self, url: str, credential: str) -> bool:
         return True
 
 

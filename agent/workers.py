@@ -5,6 +5,7 @@ served only as a stage of a pipeline, whose details the start carries."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -15,14 +16,17 @@ from typing import Any, Callable, Mapping
 
 import trio
 
+from wire.ids import split_server_id
 from wire.layers import LayerRange
 from wire.plan_details import PipelineDetails
 from wire.state import PipelineInfo, ServerEntry, ServerExit, WeightsEntry
 
 from . import backends
+from .auth import WORKER_CREDENTIAL_ENV, new_worker_credential
 from .backends.pipeline import check_details
 from .launch import BadSettings, Launcher, LaunchSpec, Process
-from .store import WeightStore
+from .store import Store, WeightStore
+from .unseal import Unsealer
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}\Z")  # \Z: `$` passes a final newline
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
@@ -72,12 +76,15 @@ class Server:
     proc: Process | None = None
     pipeline: PipelineInfo | None = None  # a pipeline stage's place in its group
     reason_file: Path | None = None  # where the worker writes why it failed, in one line
+    # What the worker asks of every request (agent/auth.py WorkerAuth), reported in the state so
+    # that the router can send it: as private as the agent's API, which needs the cluster secret.
+    credential: str = field(default="", repr=False)
 
     def to_json(self) -> ServerEntry:
         out: ServerEntry = {"id": self.id, "state": self.state, "model": self.digest, "backend": self.backend,
                             "host": self.host, "port": self.port, "pid": self.pid, "settings": self.settings,
                             "speculative": self.speculative, "uptime_s": round(time.time() - self.started, 1),
-                            "reason": self.reason, "exit": self.exit}
+                            "reason": self.reason, "exit": self.exit, "credential": self.credential}
         if self.pipeline is not None:
             out["pipeline"] = self.pipeline
         return out
@@ -124,6 +131,8 @@ class Workers:
         self.logs = home / "servers"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.servers: dict[str, Server] = {}
+        # Encrypted models are served from memory (agent/unseal.py); a simulation's store holds none.
+        self.unsealer = Unsealer(store, self.logs) if isinstance(store, Store) else None
 
     def using(self, digest: str) -> str | None:
         for s in self.servers.values():
@@ -205,7 +214,9 @@ class Workers:
             raise Refused(409, "port_unavailable", f"port {port} on {host} is {problem}; another server or "
                                                     "process holds it")
         reason_file = self.logs / f"{sid}.reason"
-        launch_settings = settings
+        # The engine names its model by the cluster (the id's first part), never by a store path, so
+        # neither /v1/models nor a chunk's `model` shows a path, even to someone on the worker's port.
+        launch_settings = {**settings, "served_name": split_server_id(sid)[0]}
         if details is not None:
             rdv = details["rendezvous"]
             problem = self.launcher.port_problem(rdv["address"], rdv["port"]) if details["rank"] == 0 else None
@@ -213,26 +224,32 @@ class Workers:
                 raise Refused(409, "port_unavailable", f"the pipeline's rendezvous port {rdv['port']} on "
                                                         f"{rdv['address']} is {problem}; another server or process "
                                                         "holds it")
-            launch_settings = {**settings, "pipeline": details, "reason_file": str(reason_file)}
+            launch_settings = {**launch_settings, "pipeline": details, "reason_file": str(reason_file)}
+        unsealer = self.unsealer if "encryption" in entry else None
+        model_path = unsealer.model_path(sid, entry) if unsealer is not None else entry["path"]
         try:
-            command = spec.command(entry["path"], host, port, launch_settings, self._model_path)
+            command = spec.command(model_path, host, port, launch_settings, self._model_path)
         except BadSettings as exc:
             raise Refused(400, "bad_request", str(exc)) from None
         log = self.logs / f"{sid}.log"
         log.write_bytes(b"")
         reason_file.unlink(missing_ok=True)
-        server = Server(sid, digest, spec.name, host, port, settings, command.speculative, list(command.argv), log)
+        server = Server(sid, digest, spec.name, host, port, settings, command.speculative, list(command.argv), log,
+                        credential=new_worker_credential())
         if details is not None:
             server.pipeline = {"group": details["group"], "rank": details["rank"], "world_size": details["world_size"]}
             server.reason_file = reason_file
         self.servers[sid] = server
-        self.spawn(self._supervise, server, spec)
+        if unsealer is not None:  # decrypted into memory first; a wrong key or tampered weights fail it
+            self.spawn(unsealer.run, server, entry, functools.partial(self._supervise, server, spec))
+        else:
+            self.spawn(self._supervise, server, spec)
         return server
 
     async def _supervise(self, server: Server, spec: LaunchSpec) -> None:
         timeout = float(server.settings.get("startup_timeout_s") or DEFAULT_STARTUP_TIMEOUT_S)
         try:
-            proc = self.launcher.launch(server.argv, server.log)
+            proc = self.launcher.launch(server.argv, server.log, {WORKER_CREDENTIAL_ENV: server.credential})
         except OSError as exc:
             server.state, server.reason = "failed", f"could not start {server.argv[0]}: {exc}"
             return
@@ -243,7 +260,7 @@ class Workers:
                 url = f"http://{server.host}:{server.port}{spec.health}"
                 deadline = trio.current_time() + timeout
                 while server.state == "starting":
-                    if await self.launcher.answers(url):
+                    if await self.launcher.answers(url, server.credential):
                         server.state = "running"
                         return
                     if trio.current_time() > deadline:

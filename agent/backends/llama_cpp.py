@@ -11,6 +11,8 @@ from ..launch import Command, LaunchSpec, ModelPath
 
 def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPath) -> Command:
     argv = [sys.executable, "-m", "agent.backends.llama_cpp_worker", "--model", path, "--host", host, "--port", str(port)]
+    if s.get("served_name"):  # what /v1/models and every answer's `model` say: the cluster, not a path
+        argv += ["--model_alias", str(s["served_name"])]
     if s.get("context_length"):
         argv += ["--n_ctx", str(s["context_length"])]
     if s.get("threads"):

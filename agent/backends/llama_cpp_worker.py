@@ -34,6 +34,7 @@ from typing import Any, Callable, Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..auth import worker_guard
 from . import openai_wire as wire
 
 GENERATE = {"/v1/chat/completions": True, "/v1/completions": False}
@@ -320,6 +321,8 @@ class Edges:
 
                 prompt = await anyio.to_thread.run_sync(self.counter.count, json.loads(raw), ask.chat)
                 tap = UsageTap(prompt) if prompt is not None else None
+            # Answers name the served model, never what the client wrote nor (when it wrote none) a path.
+            raw = json.dumps({**json.loads(raw), "model": self.name}).encode()
             receive = _replay(raw, receive)
         reply = Reply(send, tap, self.models if method == "GET" and path == "/v1/models" else None)
         try:
@@ -371,7 +374,7 @@ def main() -> None:
     server.interrupt_requests = False
     app = create_app(server_settings=server, model_settings=[model])  # loads the model: fails here, loudly
     edges = Edges(app, model.model_alias or model.model, int(time.time()), PromptCounter(model.model), library_check)
-    uvicorn.run(edges, host=server.host, port=server.port, ssl_keyfile=server.ssl_keyfile,
+    uvicorn.run(worker_guard(edges), host=server.host, port=server.port, ssl_keyfile=server.ssl_keyfile,
                 ssl_certfile=server.ssl_certfile)
 
 

@@ -74,6 +74,8 @@ def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPat
         raise BadSettings("a pipeline stage does not decode speculatively; remove speculative from the settings")
     argv = [sys.executable, "-m", "agent.backends.pipeline_stage", "--model", path, "--host", host,
             "--port", str(port), "--pipeline", json.dumps(details, separators=(",", ":"))]
+    if s.get("served_name"):  # what /v1/models and every answer's `model` say: the cluster, not a path
+        argv += ["--served-name", str(s["served_name"])]
     if s.get("context_length"):
         argv += ["--context-length", str(s["context_length"])]
     if s.get("threads"):

@@ -137,6 +137,7 @@ def stage(args: argparse.Namespace, spec: GroupSpec, status: Status, failure: Fa
         relay(spec, model, ledger, link, status)
         return
     served = StageServed(args.model, model, args.context_length, args.stream_buffer)
+    served.name = args.served_name or served.name
     engine = PipelineEngine(ledger, link, served.eos, args.max_batch, args.micro_batches or spec.world_size,
                             threads=args.threads)
     served.engine = engine
@@ -171,6 +172,7 @@ def main() -> None:
     ap.add_argument("--host", required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--pipeline", required=True, help="the plan's pipeline details, as JSON")
+    ap.add_argument("--served-name", help="the model's name in answers and /v1/models (default: its path)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--context-length", type=int)
     ap.add_argument("--dtype", choices=DTYPES, default="auto")

@@ -15,6 +15,7 @@ import trio
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..auth import worker_guard
 from . import openai_wire as wire
 from .pipeline_group import Group, GroupSpec
 
@@ -117,4 +118,4 @@ def serve(status: Status, host: str, port: int) -> None:
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
-    trio.run(hypercorn_serve, Guard(status), config)  # type: ignore[arg-type]
+    trio.run(hypercorn_serve, worker_guard(Guard(status)), config)  # type: ignore[arg-type]

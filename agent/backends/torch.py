@@ -11,6 +11,8 @@ from ..launch import BadSettings, Command, LaunchSpec, ModelPath
 def command(path: str, host: str, port: int, s: dict[str, Any], paths: ModelPath) -> Command:
     argv = [sys.executable, "-m", "agent.backends.torch_worker", "--model", path, "--host", host,
             "--port", str(port)]
+    if s.get("served_name"):  # what /v1/models and every answer's `model` say: the cluster, not a path
+        argv += ["--served-name", str(s["served_name"])]
     if s.get("context_length"):
         argv += ["--context-length", str(s["context_length"])]
     if s.get("threads"):

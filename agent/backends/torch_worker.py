@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..auth import worker_guard
 from . import openai_wire as wire
 from .torch_engine import End, Engine, Job, Outbox, Params, speculative
 from .torch_text import Text
@@ -248,6 +249,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--host", required=True)
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--served-name", help="the model's name in answers and /v1/models (default: its path)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--context-length", type=int)
     ap.add_argument("--draft")
@@ -260,6 +262,7 @@ def main() -> None:
     args = ap.parse_args()
     served = Served(args.model, args.threads, args.context_length, args.draft, args.prompt_lookup, args.dtype,
                     args.max_batch, args.stream_buffer)  # fails here, loudly
+    served.name = args.served_name or served.name
     print(json.dumps({"event": "loaded", "model": args.model, "device": str(served.device),
                       "dtype": str(served.model.dtype).removeprefix("torch."),
                       "context_length": served.context_length}), file=sys.stderr, flush=True)
@@ -270,7 +273,7 @@ def main() -> None:
     config = Config()
     config.bind = [f"{args.host}:{args.port}"]
     config.accesslog = None
-    trio.run(serve, create_app(served), config)  # type: ignore[arg-type]
+    trio.run(serve, worker_guard(create_app(served)), config)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

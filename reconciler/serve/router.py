@@ -163,6 +163,13 @@ class Router:
         ok.sort(key=lambda n: (self.outstanding.get(server_id(c.name, n), 0), c.members.index(n)))
         return ok, why
 
+    def credential(self, node: str, sid: str) -> str:
+        """What the member's worker asks of every request, as its agent reported it ("" from an
+        agent too old to make one: such a worker asks nothing)."""
+        seen = self.view.nodes.get(node)
+        server = seen.servers.get(sid) if seen is not None else None
+        return server.credential if server is not None else ""
+
     def scrubber(self, c: ClusterSpec, node: str) -> Scrubber:
         """Scrubs the paths of `node`, and of every stage of a pipeline: the first stage relays what
         the others report (their failures name their own store)."""
@@ -204,6 +211,7 @@ class Router:
         failures = []
         for node in members:
             host, path, sid = self.d.nodes[node].address, request.scope["path"], server_id(cluster.name, node)
+            credential = self.credential(node, sid)
             if sid in self.view.draining:  # drained while an earlier member was tried
                 failures.append(f"{node}: draining for an apply")
                 continue
@@ -211,7 +219,8 @@ class Router:
             if stream:
                 try:
                     with trio.fail_after(self.timeout):
-                        upstream_response = await upstream.post(host, cluster.port, path, raw, self.pool)
+                        upstream_response = await upstream.post(host, cluster.port, path, raw, self.pool,
+                                                                credential)
                 except trio.TooSlowError:
                     failure = f"no answer within {self.timeout:g}s"
                 except upstream.UpstreamError as exc:
@@ -223,9 +232,11 @@ class Router:
                 failures.append(f"{node}: {failure}")
                 log.warning("cluster %s: the member on %s did not answer: %s", cluster.name, node, failure)
                 continue
+            headers = {"content-type": "application/json"}
+            if credential:
+                headers["authorization"] = f"Bearer {credential}"
             try:
-                response = await self.http.post(f"http://{host}:{cluster.port}{path}", content=raw,
-                                                headers={"content-type": "application/json"})
+                response = await self.http.post(f"http://{host}:{cluster.port}{path}", content=raw, headers=headers)
             except httpx.TransportError as exc:
                 failures.append(f"{node}: {type(exc).__name__}: {exc}")
                 log.warning("cluster %s: the member on %s did not answer: %s: %s", cluster.name, node,

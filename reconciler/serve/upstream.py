@@ -142,14 +142,17 @@ class UpstreamResponse:
         return b"".join(out)
 
 
-async def post(host: str, port: int, path: str, body: bytes, pool: Pool | None = None) -> UpstreamResponse:
+async def post(host: str, port: int, path: str, body: bytes, pool: Pool | None = None,
+               credential: str = "") -> UpstreamResponse:
     """POST and read the response head. A pooled connection the worker closed meanwhile is
-    retried once on a fresh one; `started=False` errors mean nothing was received."""
+    retried once on a fresh one; `started=False` errors mean nothing was received. `credential`,
+    when given, is the worker's (sent as a bearer token: workers answer no one else)."""
+    auth = b"Authorization: Bearer %s\r\n" % credential.encode() if credential else b""
     key = (host, port)
     pooled = pool.take(key) if pool is not None else None
     if pooled is not None:
         try:
-            return await _exchange(pooled, host, port, path, body, pool, key)
+            return await _exchange(pooled, host, port, path, body, pool, key, auth)
         except UpstreamError as exc:
             if exc.started:
                 raise
@@ -159,15 +162,15 @@ async def post(host: str, port: int, path: str, body: bytes, pool: Pool | None =
     except (OSError, trio.TooSlowError) as exc:
         why = "timed out" if isinstance(exc, trio.TooSlowError) else exc.strerror or exc
         raise UpstreamError(f"cannot connect to {host}:{port}: {why}", started=False) from None
-    return await _exchange(sock, host, port, path, body, pool, key)
+    return await _exchange(sock, host, port, path, body, pool, key, auth)
 
 
 async def _exchange(sock: socket.socket, host: str, port: int, path: str, body: bytes, pool: Pool | None,
-                    key: tuple[str, int]) -> UpstreamResponse:
+                    key: tuple[str, int], auth: bytes) -> UpstreamResponse:
     try:
         await sockio.send(sock, b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                                b"Content-Length: %d\r\nAccept: text/event-stream\r\n\r\n"
-                          % (path.encode(), host.encode(), port, len(body)) + body)
+                                b"Content-Length: %d\r\nAccept: text/event-stream\r\n%s\r\n"
+                          % (path.encode(), host.encode(), port, len(body), auth) + body)
         buf = b""
         while (split := split_head(buf)) is None:
             more = await sockio.receive(sock, READ)

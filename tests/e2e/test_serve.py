@@ -64,13 +64,15 @@ def test_answers_through_the_router_equal_the_worker_scrubbed(served: tuple[Flee
     messages = [{"role": "user", "content": "Hello there"}]
     routed = list(client.chat.completions.create(model=cluster, messages=messages, max_tokens=8, temperature=0,
                                                  stream=True))
-    port = member_of(f, node, cluster)["port"]
-    direct_client = openai.OpenAI(base_url=f"http://{f.agents[node].address}:{port}/v1", api_key="x", max_retries=0)
+    port, credential = member_of(f, node, cluster)["port"], member_of(f, node, cluster)["credential"]
+    direct_client = openai.OpenAI(base_url=f"http://{f.agents[node].address}:{port}/v1", api_key=credential,
+                                  max_retries=0)
     direct = list(direct_client.chat.completions.create(model=cluster, messages=messages, max_tokens=8,
                                                         temperature=0, stream=True))
     if cluster == "chat":  # two members: make sure the routed answer came from this node's twin
         assert deltas(routed) == deltas(direct) or deltas(routed) == deltas(list(
-            openai.OpenAI(base_url=f"http://{f.agents['b'].address}:{port}/v1", api_key="x", max_retries=0)
+            openai.OpenAI(base_url=f"http://{f.agents['b'].address}:{port}/v1",
+                          api_key=member_of(f, "b", cluster)["credential"], max_retries=0)
             .chat.completions.create(model=cluster, messages=messages, max_tokens=8, temperature=0, stream=True)))
     else:
         assert deltas(routed) == deltas(direct)

@@ -65,7 +65,9 @@ def test_openai_client_gets_completion_and_streamed_chat(node: tuple[Agent, dict
     assert s["state"] == "running", s["reason"]
     assert s["backend"] == ("llama_cpp" if fmt == "gguf" else "torch") and s["pid"] and s["port"] == port
     assert s["settings"]["context_length"] == 256
-    client = openai.OpenAI(base_url=f"http://127.0.0.2:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    # The worker answers only with the credential its agent made for it (the router's).
+    client = openai.OpenAI(base_url=f"http://127.0.0.2:{port}/v1", api_key=s["credential"], max_retries=0,
+                           timeout=120)
     done = client.completions.create(model="tiny", prompt="The fleet", max_tokens=6, temperature=0)
     assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens >= 1
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello!"}],
@@ -76,8 +78,8 @@ def test_openai_client_gets_completion_and_streamed_chat(node: tuple[Agent, dict
     busy = httpx.delete(f"{agent.url}/v1/weights/{digests[fmt]}", headers=AUTH, timeout=30)
     assert busy.status_code == 409 and busy.json()["error"]["code"] == "weights_in_use"
     assert f"chat-{fmt}" in busy.json()["error"]["message"]
-    # The engines name the model by its local path; the control plane's router scrubs it later.
-    assert str(agent.home) in client.models.list().data[0].id
+    # The engines name the model by the server's cluster (its id, here), never by a path.
+    assert client.models.list().data[0].id == f"chat-{fmt}" and done.model == f"chat-{fmt}"
     stopped = httpx.delete(f"{agent.url}/v1/servers/chat-{fmt}", headers=AUTH, timeout=60).json()
     assert stopped["state"] == "stopped" and not alive(s["pid"])
     with socket.socket() as sock:  # free again for the next server (servers set SO_REUSEADDR, as here)
@@ -183,7 +185,8 @@ def test_speculative_settings_reach_the_engine(node: tuple[Agent, dict[str, str]
     s = settle(agent, sid)
     assert s["state"] == "running", s["reason"]
     assert s["speculative"]["applied"] is True and s["speculative"]["how"] == how
-    client = openai.OpenAI(base_url=f"http://127.0.0.2:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"http://127.0.0.2:{port}/v1", api_key=s["credential"], max_retries=0,
+                           timeout=120)
     done = client.completions.create(model="tiny", prompt="The fleet reconciles", max_tokens=6, temperature=0)
     assert done.usage.completion_tokens >= 1
     httpx.delete(f"{agent.url}/v1/servers/{sid}", headers=AUTH, timeout=60)

@@ -336,8 +336,13 @@ def test_workers_start_a_group_from_held_slices_and_fail_it_whole(models: Path, 
             assert [s.state for s in servers] == ["running", "running"], [s.reason for s in servers]
             async with httpx.AsyncClient() as client:
                 r = await client.post(f"http://{ADDRESSES[0]}:{port}/v1/completions",
-                                      json={"prompt": "The fleet", "max_tokens": 5, "temperature": 0}, timeout=60)
+                                      json={"prompt": "The fleet", "max_tokens": 5, "temperature": 0}, timeout=60,
+                                      headers={"Authorization": f"Bearer {servers[0].credential}"})
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+                assert r.json()["model"] == "big"  # the cluster's name (the id's first part), not a path
+                for i in range(2):  # no stage answers without its own credential, /health included
+                    bare = await client.get(f"http://{ADDRESSES[i]}:{port}/health", timeout=10)
+                    assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_worker_credential"
             assert servers[1].pid is not None
             os.kill(servers[1].pid, signal.SIGKILL)
             with trio.fail_after(30):
