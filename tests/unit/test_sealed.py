@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.sealed import (HEADER, KEY_ENV, KEY_FILE_ENV, TAG_BYTES, KeyProblem, Unsealable, load_key, make_key,
+from agent.sealed import (HEADER, KEY_ENV, KEY_FILE_ENV, TAG_BYTES, Key, KeyProblem, Unsealable, load_key, make_key,
                           parse_key, seal_bytes, unseal)
 
 KEY = make_key(bytes(range(32)))
@@ -19,7 +19,7 @@ OTHER = make_key(bytes(range(1, 33)))
 CHUNK = 16
 
 
-def opened(sealed: bytes, key=KEY, rel: str = "model.safetensors") -> bytes:
+def opened(sealed: bytes, key: Key = KEY, rel: str = "model.safetensors") -> bytes:
     return b"".join(unseal(io.BytesIO(sealed), len(sealed), key, rel))
 
 
