@@ -21,6 +21,9 @@ from reconciler.model import NodeSpec
 from tests.agents import SECRET, Agent, agent_env, enroll, free_port
 from tests.conftest import fleet_bin
 
+# Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
+pytestmark = pytest.mark.e2e
+
 GIB = 2**30
 
 

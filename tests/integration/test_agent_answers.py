@@ -19,6 +19,9 @@ from tests.agents import SECRET, free_port
 from tests.conftest import run_cli
 from tests.unit.test_client import GOOD
 
+# Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
+pytestmark = pytest.mark.e2e
+
 DIGEST = "sha256:" + "ab" * 32
 WEIGHT = {"digest": DIGEST, "name": "tiny", "format": "gguf", "bytes": 1000, "layers": None, "slice": None,
           "path": "/home/store/models/x/tiny.gguf",

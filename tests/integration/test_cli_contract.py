@@ -31,6 +31,9 @@ from tests.agents import Agent, agent_env, free_port
 from tests.conftest import ROOT, fleet_bin
 from tests.fleets import import_model
 
+# Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
+pytestmark = pytest.mark.e2e
+
 FLEET_COMMANDS = ("validate", "observe", "plan", "apply", "serve", "nodes", "alerts", "demo", "unlock", "completion")
 AGENT_COMMANDS = ("enroll", "serve", "import", "make-test-model", "convert", "simulate", "doctor", "completion")
 FLEET_JSON = ("validate", "plan", "apply", "nodes", "alerts")

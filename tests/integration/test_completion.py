@@ -12,6 +12,9 @@ import pytest
 
 from tests.conftest import BIN, fleet_bin
 
+# Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
+pytestmark = pytest.mark.e2e
+
 FLEET = """version: 1
 control_plane: {node: cp}
 nodes:

@@ -18,6 +18,9 @@ from reconciler.observe import HeartbeatObserver, observe
 from reconciler.transport import AgentRequest, SocketTransport
 from tests.agents import SECRET, Agent, free_port
 
+# Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:

@@ -23,6 +23,9 @@ from tests.models import tiny_gguf, tiny_safetensors
 from wire import manifest as mf
 from wire.layers import LayerRange
 
+# Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
+pytestmark = pytest.mark.e2e
+
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 
 

@@ -14,6 +14,9 @@ import httpx
 from tests.agents import agent_env, free_port
 from tests.conftest import fleet_bin
 
+# Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
+pytestmark = pytest.mark.e2e
+
 HOST = "127.0.0.2"
 
 

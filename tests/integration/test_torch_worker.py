@@ -20,6 +20,9 @@ import pytest
 from reconciler.netutil import free_port
 from tests.models import tiny_safetensors
 
+# Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
+pytestmark = pytest.mark.e2e
+
 HOST = "127.0.0.1"
 
 

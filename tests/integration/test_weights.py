@@ -28,6 +28,9 @@ from tests.models import tiny_gguf, tiny_safetensors
 from wire import manifest as mf
 from wire.layers import LayerRange
 
+# Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
+pytestmark = pytest.mark.e2e
+
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 

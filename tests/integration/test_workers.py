@@ -25,6 +25,9 @@ from agent.workers import Refused, Server, Workers
 from tests.agents import SECRET, agent_env, free_port, wait_healthy
 from tests.conftest import fleet_bin
 
+# Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
+pytestmark = pytest.mark.e2e
+
 HOST = "127.0.0.2"
 # A worker that answers GET /health with 200, unless told to exit at once or never to answer.
 WORKER = """
