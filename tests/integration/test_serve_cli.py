@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.agents import agent_env, free_port
 from tests.conftest import fleet_bin
