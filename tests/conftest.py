@@ -49,5 +49,7 @@ def postgres() -> Iterator[object]:
 
     why = pg.why_not()
     if why is not None:
+        if os.environ.get("FLEET_REQUIRE_POSTGRES"):  # CI has one: a skip there would hide the backend
+            pytest.fail(f"FLEET_REQUIRE_POSTGRES is set and there is no PostgreSQL: {why}")
         pytest.skip(f"no PostgreSQL here: {why}")
     yield from pg.start()
