@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -57,6 +58,12 @@ def _driver() -> Any:
         raise StateError("postgres_driver_missing", "a postgresql:// state store needs psycopg 3, which is not "
                          "installed", hint="pip install 'fleet[postgres]'") from None
     return psycopg
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """The driver's errors, once it is loaded (a SQLite store never loads it)."""
+    module = sys.modules.get("psycopg")
+    return (module.Error,) if module is not None else ()
 
 
 def connect(url: str) -> psycopg.Connection[Any]:

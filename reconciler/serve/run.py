@@ -14,7 +14,7 @@ import trio
 from ..client import AgentClient
 from ..model import Desired
 from ..observe import observer
-from ..state_pg import SharedStore
+from ..state_pg import SharedStore, store_errors
 from ..state_store import DrainRows, ServeRecord
 from .drains import DrainWatcher
 from .leader import Roles
@@ -106,24 +106,37 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
                     stop.set()
                     return
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(on_signal)
-            if shared is not None and notifier is not None and roles is not None:
-                await nursery.start(notifier.run)
-                shared.sql.watch = notifier.watcher(DrainRows.CHANNEL)
-                await nursery.start(roles.run)
-            else:
-                await nursery.start(heartbeat.run)
-            if watcher is not None:
-                await nursery.start(watcher.run)
-            log.info("serving %d clusters on %s://%s (heartbeat every %gs, at most %d client connections)",
-                     len(desired.clusters), "https" if tls else "http", desired.control_plane.listen, interval,
-                     front.cap)
-            # What start-up built (modules, config, schema, the first beat) lives as long as the
-            # process: frozen out of every later collection, or a full one walks those ~50,000
-            # objects and stalls every stream (29 ms of CPU measured; a young one about 2 ms).
-            gc.collect()
-            gc.freeze()
-            await front.serve(listeners, stop)
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(on_signal)
+                if shared is not None and notifier is not None and roles is not None:
+                    await nursery.start(notifier.run)
+                    shared.sql.watch = notifier.watcher(DrainRows.CHANNEL)
+                    await nursery.start(roles.run)
+                else:
+                    await nursery.start(heartbeat.run)
+                if watcher is not None:
+                    await nursery.start(watcher.run)
+                log.info("serving %d clusters on %s://%s (heartbeat every %gs, at most %d client connections)",
+                         len(desired.clusters), "https" if tls else "http", desired.control_plane.listen, interval,
+                         front.cap)
+                # What start-up built (modules, config, schema, the first beat) lives as long as the
+                # process: frozen out of every later collection, or a full one walks those ~50,000
+                # objects and stalls every stream (29 ms of CPU measured; a young one about 2 ms).
+                gc.collect()
+                gc.freeze()
+                await front.serve(listeners, stop)
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # A shared store's connection lost (its server restarted, the network gone): said and
+            # ended with a code, and another `fleet serve` on the store leads in the meantime.
+            lost = group.subgroup(lambda exc: isinstance(exc, store_errors()))
+            if lost is None or shared is None:
+                raise
+            first: BaseException = lost
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise ServeRefused(f"lost the state store {shared.where}: "
+                               f"{str(first).strip().splitlines()[0] if str(first).strip() else type(first).__name__}"
+                               " (another fleet serve sharing it leads meanwhile, if one runs)") from None
     transport.close()

@@ -162,3 +162,26 @@ def test_two_serves_share_a_store_and_the_follower_takes_over(postgres: Server, 
                     p.send_signal(signal.SIGTERM)
                     p.wait(30)
             shutil.rmtree(tmp_path / "models", ignore_errors=True)
+
+
+def test_serve_that_loses_its_store_ends_saying_so(postgres: Server, silent_node: Path) -> None:
+    import psycopg
+
+    url = postgres.fresh_url()
+    listen = f"127.0.0.2:{free_port('127.0.0.2')}"
+    silent_node.write_text(silent_node.read_text().replace("{node: cp}", f"{{node: cp, listen: '{listen}'}}"))
+    proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(silent_node), "--state", url, "--interval", "1",
+                             "--timeout", "0.3"], env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        _healthy(f"http://{listen}/healthz")
+        with psycopg.connect(url, autocommit=True) as admin:  # what a restart of the server does to sessions
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 3, out
+    assert "lost the state store" in out and "Traceback" not in out, out
