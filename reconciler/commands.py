@@ -15,9 +15,9 @@ from pathlib import Path
 import trio
 from rich.markup import escape
 
-from . import config
+from . import config, planfile
 from .client import AgentClient
-from .diagnostics import error
+from .diagnostics import Diagnostic, error
 from .drain import Drainer
 from .execute import Executor, Result
 from .exitcodes import Exit
@@ -113,22 +113,23 @@ def cmd_plan(args: argparse.Namespace, path: str) -> int:
     return code
 
 
-def _stale(saved: Plan, loaded: config.Loaded, args: argparse.Namespace) -> list[str]:
+def _stale(saved: Plan, loaded: config.Loaded, args: argparse.Namespace) -> tuple[list[Diagnostic], Plan]:
+    """Why the saved plan may not run now (nothing when it may), and a fresh plan made now against
+    the same file, nodes and targets: the saved plan runs only if its changes are exactly the fresh one's."""
     reasons = []
-    if saved.config_digest != loaded.digest:
-        reasons.append(f"{loaded.filename} changed since the plan was made "
-                       f"(config digest {saved.config_digest[:19]}… → {(loaded.digest or '')[:19]}…)")
     fresh = _plan(loaded, argparse.Namespace(**{**vars(args), "observed": None, "target": list(saved.targets)}))
     for node in sorted(saved.touched_nodes() | set(saved.fingerprints)):
         before, now = saved.fingerprints.get(node), fresh.fingerprints.get(node)
         if before != now:
-            reasons.append(f"node {node!r} changed since the plan was made (its models or servers differ"
-                           + (", or it does not answer now)" if now is None else ")"))
-    return reasons
+            reasons.append(error("stale_plan", f"node {node!r} changed since the plan was made (its models or "
+                                 "servers differ" + (", or it does not answer now)" if now is None else ")"),
+                                 planfile.REMAKE, address=f"node.{node}"))
+    return reasons + planfile.differences(saved, fresh), fresh
 
 
 def cmd_apply(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
+    saved = _read_plan(args.planfile, loaded) if args.planfile else None
     # The lock covers planning too: two applies planning at once would both plan the same work.
     with open_store(args.state_dir, args.state, loaded.desired.control_plane.state if loaded.desired else None) as store:
         ledger = store.applies
@@ -141,22 +142,42 @@ def cmd_apply(args: argparse.Namespace, path: str) -> int:
             console(stderr=True).print(f"[yellow]warning:[/] took over the lock of a process that is gone: "
                                        f"{taken.describe()}")
         try:
-            return _apply_locked(loaded, args, ledger, Drainer(store.drains, lock.id))
+            return _apply_locked(loaded, args, ledger, Drainer(store.drains, lock.id), saved)
         finally:
             ledger.release(lock.id)
 
 
-def _saved_plan(loaded: config.Loaded, args: argparse.Namespace) -> Plan:
+def _read_plan(path: str, loaded: config.Loaded) -> Plan:
+    """The saved plan, checked before the lock is taken and anything runs: its schema, the nodes it
+    names, its dependency graph (a cycle would wait forever, holding the lock)."""
+    assert loaded.desired is not None
     try:
-        saved = Plan.from_json(json.loads(Path(args.planfile).read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise Failure(Exit.INVALID_CONFIG, "unreadable_plan", f"cannot read the saved plan {args.planfile}: {exc}",
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise Failure(Exit.INVALID_CONFIG, "unreadable_plan", f"cannot read the saved plan {path}: {exc}",
                       hint="make one with: fleet plan -o FILE") from None
-    reasons = _stale(saved, loaded, args)
+    # The nodes it names are checked against the file it was made from; made from another, it is stale.
+    same_file = isinstance(data, dict) and data.get("config_digest") == loaded.digest
+    problems = planfile.check(data, loaded.desired.nodes if same_file else None)
+    if problems:
+        raise Failure(Exit.INVALID_CONFIG, "invalid_plan", f"the saved plan {path} is not a valid plan "
+                      f"({len(problems)} error{'s' if len(problems) != 1 else ''}); nothing was applied", problems,
+                      hint="make one with: fleet plan -o FILE")
+    saved = Plan.from_json(data)
+    if not same_file:
+        raise Failure(Exit.STALE_PLAN, "stale_plan", f"the saved plan {path} is stale; nothing was applied", [error(
+            "stale_plan", f"{loaded.filename} changed since the plan was made (config digest "
+            f"{saved.config_digest[:19]}… → {(loaded.digest or '')[:19]}…)", planfile.REMAKE)])
+    return saved
+
+
+def _saved_plan(saved: Plan, loaded: config.Loaded, args: argparse.Namespace) -> Plan:
+    reasons, fresh = _stale(saved, loaded, args)
     if reasons:
         raise Failure(Exit.STALE_PLAN, "stale_plan", f"the saved plan {args.planfile} is stale; nothing was applied",
-                      [error("stale_plan", r, "Make a new plan: fleet plan -o FILE") for r in reasons])
-    return saved
+                      reasons)
+    # The same changes: the fresh plan's diagnostics are the ones that hold now (a file's are text).
+    return fresh
 
 
 def _confirm() -> str | None:
@@ -177,10 +198,10 @@ def _confirm() -> str | None:
 
 
 def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, ledger: ApplyLedger,
-                  drains: Drainer | None = None) -> int:
+                  drains: Drainer | None = None, saved: Plan | None = None) -> int:
     err = console(stderr=True)
     people = console(stderr=args.json)  # under --json, stdout carries the document alone
-    p = _saved_plan(loaded, args) if args.planfile else _plan(loaded, args)
+    p = _saved_plan(saved, loaded, args) if saved is not None else _plan(loaded, args)
     print_plan(people, p)
     print_diagnostics(err, p.diagnostics, None)
     if p.errored:

@@ -50,15 +50,15 @@ EXIT_TABLE = (
     ExitRow(Exit.CHANGES, "changes present (--detailed-exitcode)",
             "`plan --detailed-exitcode`: success, changes present", ("plan",)),
     ExitRow(Exit.INVALID_CONFIG, "invalid input or environment", "invalid input or environment, said why, "
-            "nothing done: the fleet file (what `validate` finds), a saved plan or snapshot that cannot be "
-            "read, FLEET_CLUSTER_SECRET, an address in use; `fleet-agent` refusing to start, `doctor` finding "
+            "nothing done: the fleet file (what `validate` finds), a saved plan that cannot be read or is no "
+            "valid plan (its schema, nodes, dependencies), a snapshot that cannot be read, FLEET_CLUSTER_SECRET, an address in use; `fleet-agent` refusing to start, `doctor` finding "
             "an error", (EVERY,)),
     ExitRow(Exit.PLAN_REFUSED, "plan refused", "plan refused: at least one plan error (an unreachable node, "
             "something that is not a fleet agent, GGUF served off the control plane, ...)", ("plan", "apply")),
     ExitRow(Exit.LOCKED, "the apply lock is held", "another apply holds the lock (`unlock`: by another id)",
             ("apply", "unlock")),
     ExitRow(Exit.STALE_PLAN, "saved plan is stale", "the saved plan is stale: the fleet file or a node it "
-            "touches changed since", ("apply",)),
+            "touches changed since, or a fresh plan's changes differ from it", ("apply",)),
     ExitRow(Exit.APPLY_FAILED, "some actions failed", "apply ran and some actions failed; running it again "
             "converges", ("apply",)),
     ExitRow(Exit.CANCELLED, "cancelled at the prompt", "cancelled at the prompt: any answer but `yes`, or "
