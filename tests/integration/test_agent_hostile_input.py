@@ -14,6 +14,9 @@ import pytest
 from tests.agents import SECRET, Agent, free_port
 from tests.fleets import import_model
 
+# Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
+pytestmark = pytest.mark.e2e
+
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 DIGITS = "9" * 4400  # past Python's 4,300-digit limit on int(): a ValueError where it is converted
 DIGEST = "sha256:" + "ab" * 32

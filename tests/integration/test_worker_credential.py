@@ -21,6 +21,9 @@ from tests.agents import SECRET, Agent, free_port
 from tests.fleets import import_model
 from tests.models import tiny_gguf, tiny_safetensors
 
+# Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
+pytestmark = pytest.mark.e2e
+
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 HOST = "127.0.0.2"
 CLUSTERS = {"gguf": "local", "safetensors": "chat"}  # the cluster each format is served as, on node srv
