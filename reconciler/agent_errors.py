@@ -39,6 +39,19 @@ class NodeAuthRejected(AgentError):
                                f"secret: {reason}")
 
 
+class NodeTlsFailed(NodeUnreachable):
+    """The agent's certificate was not accepted (not valid for the node's hostname, signed by no CA
+    fleet trusts, expired) or TLS itself failed: asking again will not change the certificate."""
+
+    code = "node_tls_failed"
+    retryable = False
+
+    def __init__(self, node: NodeSpec, cause: str) -> None:
+        AgentError.__init__(self, node, f"node {node.name!r} at {node.address}:{node.agent_port}: TLS failed, "
+                                        f"its certificate checked as {node.hostname or node.address!r}: {cause}")
+        self.cause = cause
+
+
 class AgentProtocolError(AgentError):
     code = "agent_protocol_error"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import ssl
 from functools import cache
 from typing import Any, Callable
 
@@ -14,15 +15,22 @@ import fastjsonschema
 import trio
 from jsonschema import Draft202012Validator
 
-from .agent_errors import (AgentError, AgentHTTPError, AgentProtocolError, NodeAuthRejected, NodeUnreachable, NotAnAgent,
-                           cause, excerpt)
+from .agent_errors import (AgentError, AgentHTTPError, AgentProtocolError, NodeAuthRejected, NodeTlsFailed,
+                           NodeUnreachable, NotAnAgent, cause, excerpt)
 from .diagnostics import format_path
 from .model import NodeSpec
 from .schema import Validator, load_schema
 from .transport import AgentRequest, SocketTransport, Transport
 
 __all__ = ["AgentClient", "AgentError", "AgentHTTPError", "AgentProtocolError", "NodeAuthRejected",
-           "NodeUnreachable", "NotAnAgent"]
+           "NodeTlsFailed", "NodeUnreachable", "NotAnAgent"]
+
+
+def _tls_error(exc: BaseException | None) -> ssl.SSLError | None:
+    """The TLS error under a failed call (trio raises BrokenResourceError from it), if any."""
+    while exc is not None and not isinstance(exc, ssl.SSLError):
+        exc = exc.__cause__ or exc.__context__
+    return exc
 
 
 @cache
@@ -77,6 +85,11 @@ class AgentClient:
         except trio.TooSlowError:
             raise NodeUnreachable(node, f"timed out (no answer within {timeout:g}s)") from None
         except (OSError, trio.BrokenResourceError) as exc:
+            tls = _tls_error(exc)
+            if tls is not None:
+                why = (f"certificate verify failed: {tls.verify_message}"
+                       if isinstance(tls, ssl.SSLCertVerificationError) else str(tls))
+                raise NodeTlsFailed(node, why) from None
             raise NodeUnreachable(node, cause(exc)) from None
         return _answer(node, status, content, raw=raw, ok404=ok404, request=(method, path))
 

@@ -60,7 +60,7 @@ def load_text(text: str, filename: str) -> Loaded:
         return Loaded(filename, None, tuple(diags), doc, None, text)
     checker = _Checker(doc)
     diags += checker.run()
-    desired = None if has_errors(diags) else _build(doc.data, checker.layers)
+    desired = None if has_errors(diags) else _build(doc.data, checker.layers, checker.ca_file)
     digest = "sha256:" + hashlib.sha256(
         json.dumps(doc.data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return Loaded(filename, desired, tuple(diags), doc, digest, text)
@@ -117,7 +117,23 @@ class _Checker:
             self.node_ref(model["source"], ("models", name, "source"), f"the source of model {name!r}")
         holders = self.check_replicas()
         self.check_clusters(holders)
+        self.ca_file = self.check_ca_file()
         return self.diags
+
+    def check_ca_file(self) -> str | None:
+        """control_plane.agent_ca_file made absolute (relative: beside the fleet file), read now."""
+        given = self.data["control_plane"].get("agent_ca_file")
+        if given is None:
+            return None
+        path = Path(self.doc.filename).resolve().parent / Path(given).expanduser()
+        try:
+            ok, why = b"-----BEGIN CERTIFICATE-----" in path.read_bytes(), "it holds no PEM certificate"
+        except OSError as exc:
+            ok, why = False, exc.strerror or str(exc)
+        if not ok:
+            self.add("ca_file_unreadable", ("control_plane", "agent_ca_file"),
+                     f"cannot use {str(path)!r} as the agents' CA file: {why}")
+        return str(path)
 
     def check_nodes(self) -> None:
         seen: dict[tuple[str, int], str] = {}
@@ -356,11 +372,11 @@ def _layers_hint(text: str) -> str:
     return f"Write FIRST-LAST with FIRST <= LAST, e.g. {example}."
 
 
-def _build(data: dict[str, Any], layers: dict[tuple[str, int], LayerRange]) -> Desired:
+def _build(data: dict[str, Any], layers: dict[tuple[str, int], LayerRange], ca_file: str | None = None) -> Desired:
     cp = data["control_plane"]
     nodes = {name: NodeSpec(name=name, address=n["address"], agent_port=n.get("agent_port", DEFAULT_AGENT_PORT),
                             hostname=n.get("hostname"), identity=n.get("identity"), tls=n.get("tls", False),
-                            available=tuple(n.get("available", ())),
+                            available=tuple(n.get("available", ())), ca_file=ca_file,
                             labels=tuple(sorted(n.get("labels", {}).items())))
              for name, n in data["nodes"].items()}
     models = {name: ModelSpec(name=name, format=m["format"], digest=m["digest"], source=m["source"],

@@ -22,6 +22,7 @@ class NodeSpec:
     identity: str | None = None
     tls: bool = False
     available: tuple[str, ...] = ()
+    ca_file: str | None = None  # the CAs trusted for its agent's certificate (control_plane.agent_ca_file)
     labels: tuple[tuple[str, str], ...] = ()
 
     @property

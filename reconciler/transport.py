@@ -22,6 +22,7 @@ from .model import NodeSpec
 
 ANSWER_LIMIT = 64 << 20  # an agent's answer larger than this is refused, not buffered
 READ = 65536
+CLOSE_NOTIFY_S = 1.0  # a TLS connection is ended with close_notify, unless sending it takes longer
 
 Receive = Callable[[int], Awaitable[bytes | bytearray]]  # up to n bytes of the answer; b"" once it has ended
 
@@ -70,9 +71,12 @@ class SocketTransport:
     is noticed before use, or the GET is asked once more on a fresh connection."""
 
     def __init__(self, ca_file: str | None = None, *, keep_alive: bool = False, max_idle: int = 0) -> None:
-        # ca_file: trust agents' certificates signed by this CA (or self-signed ones given directly).
+        # ca_file: trust agents' certificates signed by this CA (or self-signed ones given directly),
+        # for nodes that name no CA file of their own (NodeSpec.ca_file, from fleet.yaml).
         self._ca_file = ca_file
-        self._ssl: ssl.SSLContext | None = None  # made on the first TLS call: loading the CAs costs 0.1-0.2 s
+        # One context per CA file, made on the first TLS call to a node using it: loading the CAs
+        # costs 0.1-0.2 s.
+        self._ssl: dict[str | None, ssl.SSLContext] = {}
         self._keep, self._max_idle = keep_alive, max_idle
         self._idle: dict[tuple[str, int], socket.socket] = {}
 
@@ -115,16 +119,34 @@ class SocketTransport:
         self._idle.clear()
 
     async def _exchange_tls(self, request: AgentRequest, sock: socket.socket) -> tuple[int, bytes]:
-        if self._ssl is None:
-            self._ssl = ssl.create_default_context(cafile=self._ca_file)
         node = request.node
-        stream: trio.abc.Stream = trio.SSLStream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)), self._ssl,
-                                                 server_hostname=node.address, https_compatible=True)
+        ca_file = node.ca_file or self._ca_file
+        context = self._ssl.get(ca_file)
+        if context is None:
+            context = self._ssl[ca_file] = ssl.create_default_context(cafile=ca_file)
+        # The certificate is checked against the name the node goes by (sent as SNI too); its address
+        # is only where to connect. Not https_compatible: in that mode trio's aclose sends no
+        # close_notify (an agent's answer always has a length, so a ragged end is never read).
+        stream = trio.SSLStream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)), context,
+                                server_hostname=node.hostname or node.address)
         try:
             await stream.send_all(request.encode())
             return await read_answer(node, stream.receive_some)
         finally:
-            await trio.aclose_forcefully(stream)
+            await _close_tls(stream)
+
+
+async def _close_tls(stream: trio.SSLStream[trio.SocketStream]) -> None:
+    """End the connection as TLS means it to end: close_notify first (SSLStream.aclose), so the agent
+    can tell an answer read whole from a connection cut; only then the socket. A peer that already
+    went, or a close that takes too long, just closes the socket."""
+    with trio.move_on_after(CLOSE_NOTIFY_S):
+        try:
+            await stream.aclose()
+            return
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+    await trio.aclose_forcefully(stream)
 
 
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags (enums) each call cost more than the call
