@@ -180,8 +180,9 @@ def build_parser() -> Parser:
     p = _sub(sub, "alerts", "open alerts (--all: cleared ones too)",
              "Print the alerts `fleet serve` raised (node_offline), newest last; cleared ones with --all.")
     _completer(p.add_argument("-f", "--file", metavar="FILE",
-                              help="accepted like every command's -f, and unused: alerts come from the state "
-                                   "directory"), _files("yaml", "yml"))
+                              help="accepted like every command's -f: read only for control_plane.state, where "
+                                   "neither --state, --state-dir nor $FLEET_STATE_URL names the store"),
+               _files("yaml", "yml"))
     p.add_argument("--all", action="store_true", help="include cleared alerts")
     _json(p, "the alerts (schemas/alerts.schema.json)")
     _state_dir(p, "where `fleet serve` keeps its records")

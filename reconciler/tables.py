@@ -5,6 +5,7 @@ nodes are read as typed observations (reconciler/observed.py)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from .model import NodeSpec
 from .observed import ObservedNode, node_from_state
 from .outcome import Failure, print_json
 from .render import JSON_FORMAT_VERSION, console
-from .state_backend import Store, open_state, resolve
+from .state_backend import ENV as STATE_URL_ENV, Store, open_state, resolve
 from .state_pg import StateError
 
 
@@ -28,8 +29,14 @@ def open_store(state_dir: str | None, url: str | None = None, in_file: str | Non
         raise Failure(Exit.INVALID_CONFIG, exc.code, str(exc), hint=exc.hint or "") from None
 
 
-def _open(args: argparse.Namespace) -> Store:
-    return open_store(args.state_dir, getattr(args, "state", None))
+def _open(args: argparse.Namespace, path: str | None = None) -> Store:
+    """The store of --state, --state-dir or $FLEET_STATE_URL, else of the fleet file's
+    control_plane.state (read only then, and only if the file is there)."""
+    in_file = None
+    if not (args.state or args.state_dir or os.environ.get(STATE_URL_ENV)) and path and Path(path).is_file():
+        loaded = config.load(path)
+        in_file = loaded.desired.control_plane.state if loaded.desired is not None else None
+    return open_store(args.state_dir, args.state, in_file)
 
 
 def cmd_unlock(args: argparse.Namespace) -> int:
@@ -71,7 +78,7 @@ def _columns(name: str, seen: ObservedNode | None, spec: NodeSpec | None, wide: 
 def cmd_nodes(args: argparse.Namespace, path: str) -> int:
     from rich.table import Table
 
-    with _open(args) as store:
+    with _open(args, path) as store:
         nodes, rows, alerts = store.serve.nodes(), store.serve.server_rows(), store.serve.alerts()
     loaded = config.load(path) if Path(path).is_file() else None  # for addresses, when the file is here
     specs = loaded.desired.nodes if loaded is not None and loaded.desired is not None else {}
@@ -111,7 +118,7 @@ def cmd_nodes(args: argparse.Namespace, path: str) -> int:
 
 
 def cmd_alerts(args: argparse.Namespace, path: str) -> int:
-    with _open(args) as store:
+    with _open(args, path) as store:
         alerts: list[dict[str, Any]] = store.serve.alerts(include_cleared=args.all)
     if args.json:
         print_json(alerts)
