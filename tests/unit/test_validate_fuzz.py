@@ -95,13 +95,13 @@ def _check(tmp: Path, content: bytes) -> None:
         assert d.range.start.line >= 1 and d.range.start.column >= 1
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(content=mutated_data())
 def test_structural_mutations(tmp_path: Path, content: str) -> None:
     _check(tmp_path, content.encode())
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(content=mutated_text())
 def test_byte_mutations(tmp_path: Path, content: bytes) -> None:
     _check(tmp_path, content)
