@@ -8,7 +8,6 @@ sha256, where the blob route that serves peers never looks; its manifest is the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -21,10 +20,9 @@ from typing import Any, Iterator, Protocol
 from wire import manifest as mf
 from wire.state import Encryption, Integrity, WeightsEntry
 
-from .sealed import Key, SealWriter, manifest_block
+from .sealed import Key
 
 CHUNK = 1 << 20
-_SKIP_DIRS = {".git", ".cache", "__pycache__"}
 # What a process writes before renaming it into place, with its pid: an import's copy, a model
 # directory being linked or replaced, a JSON file being written.
 _LEFTOVER = re.compile(r"^\.(?:import-(\d+)-[0-9a-f]+|(?:tmp|old)-[0-9a-f]{64}-(\d+)|.+\.(\d+)-\d+\.tmp)\Z")
@@ -77,6 +75,12 @@ def now() -> str:
 UNVERIFIED: Integrity = {"state": "unverified", "checked_at": None, "file": None, "reason": None}
 
 
+def _hex(sha: str) -> str:
+    if not mf.HEX_RE.match(sha):
+        raise StoreError(f"invalid sha256 {sha[:80]!r}: expected 64 lowercase hex digits")
+    return sha
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -119,9 +123,7 @@ class Store:
     # ---- paths (every name from outside goes through check_digest / HEX_RE first) ----
 
     def blob_path(self, sha: str) -> Path:
-        if not mf.HEX_RE.match(sha):
-            raise StoreError(f"invalid sha256 {sha[:80]!r}: expected 64 lowercase hex digits")
-        return self.blobs / sha
+        return self.blobs / _hex(sha)
 
     def manifest_path(self, digest: str) -> Path:
         return self.manifests / f"{mf.check_digest(digest)}.json"
@@ -130,9 +132,10 @@ class Store:
         return self.models / mf.check_digest(digest)
 
     def sealed_path(self, sha: str) -> Path:
-        if not mf.HEX_RE.match(sha):
-            raise StoreError(f"invalid sha256 {sha[:80]!r}: expected 64 lowercase hex digits")
-        return self.sealed / sha
+        return self.sealed / _hex(sha)
+
+    def has_blob(self, sha: str) -> bool:
+        return self.blob_path(sha).is_file()
 
     def is_sealed(self, digest: str) -> bool:
         """Whether the model's files are encrypted (its meta says so; it is written before the manifest)."""
@@ -148,9 +151,6 @@ class Store:
     def file_blob(self, digest: str, sha: str) -> Path:
         """Where a file of `digest` is kept: its blob, or its sealed file for an encrypted model."""
         return self.sealed_path(sha) if self.is_sealed(digest) else self.blob_path(sha)
-
-    def has_blob(self, sha: str) -> bool:
-        return self.blob_path(sha).is_file()
 
     def is_present(self, digest: str) -> bool:
         return self.manifest_path(digest).is_file()
@@ -216,6 +216,8 @@ class Store:
             raise StoreError(f"manifest does not hash to {digest}")
         sealed = manifest.get("encryption") is not None
         blob = self.sealed_path if sealed else self.blob_path
+        # An earlier sealing of the same model: its files have their own nonces, so no one else's.
+        resealed = set(self.file_blobs(digest).values()) - set(file_blobs.values()) if sealed else set()
         final = self.model_dir(digest)
         if not self._linked(final, file_blobs, blob):
             tmp = self.models / f".tmp-{digest[7:]}-{os.getpid()}"
@@ -245,6 +247,8 @@ class Store:
             os.fsync(fh.fileno())
         os.replace(tmp_manifest, self.manifest_path(digest))
         fsync_dir(self.manifests)
+        for sha in resealed:
+            self.sealed_path(sha).unlink(missing_ok=True)
 
     def _linked(self, model_dir: Path, file_blobs: dict[str, str], blob: Any) -> bool:
         """Whether `model_dir` holds exactly the links to these blobs (not, say, a corrupt file's)."""
@@ -296,106 +300,12 @@ class Store:
     def entries(self) -> list[WeightsEntry]:
         return [self.entry(d) for d in self.digests()]
 
-    # ---- import ----
+    # ---- import (agent/importing.py) ----
 
     def import_model(self, src: Path, name: str, *, link: bool = False,
                      encrypt: bool = False) -> tuple[str, dict[str, Any]]:
         """Hash and store a local model (an HF directory, or one .gguf file); never modifies it. With
         `encrypt`, every file of it is sealed under the store's key (none is kept in plaintext)."""
-        if encrypt and (self.key is None or link):
-            raise StoreError("an encrypted import needs the node's weights key (--key-file or "
-                             "$FLEET_WEIGHTS_KEY_FILE) and copies (no --link)")
-        src = src.resolve()
-        if src.is_dir():
-            files = sorted(p for p in src.rglob("*") if p.is_file()
-                           and not _SKIP_DIRS.intersection(p.relative_to(src).parts[:-1]))
-            rels = [p.relative_to(src).as_posix() for p in files]
-            if "config.json" not in rels or not any(r.endswith(".safetensors") for r in rels):
-                raise StoreError(f"{src} is not a safetensors model directory (it needs config.json and "
-                                 "*.safetensors files)")
-            fmt = "safetensors"
-        elif src.is_file():
-            with open(src, "rb") as fh:
-                if fh.read(4) != b"GGUF":
-                    raise StoreError(f"{src} is not a GGUF file (no GGUF magic); a safetensors model is "
-                                     "imported as its directory")
-            files, rels, fmt = [src], [src.name], "gguf"
-        else:
-            raise StoreError(f"{src} does not exist")
-        entries, blobs = [], {}
-        for path, rel in zip(files, rels):
-            entry, stored = self._import_file(path, mf.safe_relpath(rel), link=link,
-                                              key=self.key if encrypt else None)
-            entries.append(entry)
-            blobs[rel] = stored
-        layers = None
-        if fmt == "safetensors":
-            try:
-                layers = json.loads((src / "config.json").read_text()).get("num_hidden_layers")
-            except ValueError as exc:
-                raise StoreError(f"{src / 'config.json'} is not JSON: {exc}") from None
-        manifest = {"version": mf.MANIFEST_VERSION, "format": fmt, "layers": layers, "slice": None,
-                    "files": entries}
-        if encrypt and self.key is not None:
-            manifest["encryption"] = manifest_block(self.key)
-        digest = mf.digest_of(manifest)
-        self.commit(digest, manifest, blobs, name)
-        return digest, manifest
+        from .importing import import_model
 
-    def _import_file(self, path: Path, rel: str, *, link: bool,
-                     key: Key | None = None) -> tuple[dict[str, Any], str]:
-        """The file's manifest entry (its plaintext's hashes) and the sha256 it is stored under."""
-        size = path.stat().st_size
-        whole = hashlib.sha256()
-        tensors: list[dict[str, Any]] = []
-        tmp = self.partial / f".import-{os.getpid()}-{hashlib.sha256(rel.encode()).hexdigest()[:16]}"
-        with open(path, "rb") as fh, (open(os.devnull, "wb") if link else open(tmp, "wb")) as raw:
-            seal = SealWriter(raw, key, rel) if key is not None else None
-            out: Any = seal if seal is not None else raw
-            if rel.endswith(".safetensors"):
-                try:
-                    _, tensors = mf.read_safetensors_index(fh, size)
-                except mf.ManifestError as exc:
-                    raise StoreError(f"{path}: {exc}") from None
-                fh.seek(0)
-            # One pass: the whole-file hash, each tensor's hash, and the copy.
-            bounds = iter(tensors)
-            cur = next(bounds, None)
-            th = hashlib.sha256()
-            pos = 0
-            while chunk := fh.read(CHUNK):
-                whole.update(chunk)
-                out.write(chunk)
-                view, at = memoryview(chunk), pos
-                while cur is not None and at < pos + len(chunk):
-                    lo = max(cur["begin"], at) - pos
-                    hi = min(cur["end"], pos + len(chunk)) - pos
-                    if lo < hi:
-                        th.update(view[lo:hi])
-                    if cur["end"] <= pos + len(chunk):
-                        cur["sha256"] = th.hexdigest()
-                        th = hashlib.sha256()
-                        at = cur["end"]
-                        cur = next(bounds, None)
-                    else:
-                        break
-                pos += len(chunk)
-            stored = seal.finish() if seal is not None else None
-            if not link:
-                raw.flush()
-                os.fsync(raw.fileno())
-        for t in tensors:  # zero-length tensors never met a byte
-            t.setdefault("sha256", hashlib.sha256(b"").hexdigest())
-        sha = whole.hexdigest()
-        dest = self.sealed_path(stored) if stored is not None else self.blob_path(sha)
-        if dest.exists():
-            tmp.unlink(missing_ok=True)
-        elif link:
-            os.link(path, dest)
-        else:
-            os.replace(tmp, dest)
-        entry: dict[str, Any] = {"path": rel, "size": size, "sha256": sha}
-        if rel.endswith(".safetensors"):
-            entry["tensors"] = tensors
-        return entry, stored or sha
-
+        return import_model(self, src, name, link=link, encrypt=encrypt)
