@@ -58,16 +58,17 @@ def _secret() -> bytes:
 
 
 def _weights_key(args: argparse.Namespace) -> Key | None:
-    """The node's weights key (--key-file, $FLEET_WEIGHTS_KEY_FILE or $FLEET_WEIGHTS_KEY); the
-    variable holding a key itself is removed at once, so that no worker inherits it."""
-    from .sealed import KEY_ENV, KeyProblem, load_key
+    """The node's weights key (--key-file, $FLEET_WEIGHTS_KEY_FILE or $FLEET_WEIGHTS_KEY); both
+    variables are removed at once, so that no worker inherits the key or where it is."""
+    from .sealed import KEY_ENV, KEY_FILE_ENV, KeyProblem, load_key
 
     try:
         return load_key(args.key_file, os.environ)
     except KeyProblem as exc:
         raise Refused(str(exc)) from None
-    finally:
+    finally:  # no worker needs to know where the key is either
         os.environ.pop(KEY_ENV, None)
+        os.environ.pop(KEY_FILE_ENV, None)
 
 
 def _listen(text: str) -> tuple[str, int]:

@@ -142,7 +142,11 @@ class Workers:
         return None
 
     def _model_path(self, digest: str, what: str) -> str:
-        return str(self._model(digest, what)["path"])
+        entry = self._model(digest, what)
+        if "encryption" in entry:  # its path holds ciphertext: only the served model is decrypted
+            raise Refused(409, "encrypted_draft_unsupported", f"{what} {digest} is encrypted; a draft model is "
+                                                              "loaded from its stored files, so it must be a plain one")
+        return str(entry["path"])
 
     def _model(self, digest: str, what: str) -> WeightsEntry:
         if not self.store.is_present(digest):

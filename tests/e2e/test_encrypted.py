@@ -174,6 +174,9 @@ def test_planned_applied_served_and_never_on_disk(sealed: Sealed) -> None:
         chat = list(client.chat.completions.create(model=cluster, messages=[{"role": "user", "content": "Hi!"}],
                                                    max_tokens=6, temperature=0, stream=True))
         assert chat[-1].choices[0].finish_reason in ("stop", "length")
+    for server in sealed.agent.get("/v1/state").json()["servers"]:  # nor where it is, nor in argv
+        assert b"FLEET_WEIGHTS_KEY" not in Path(f"/proc/{server['pid']}/environ").read_bytes()
+        assert str(sealed.key).encode() not in Path(f"/proc/{server['pid']}/cmdline").read_bytes()
     # The scanner finds the runs where they are (the originals), and nowhere the node keeps anything.
     found = scan([sealed.models], sealed.needles)
     assert {int(hit.rsplit(" ", 1)[1]) for hit in found} == set(range(len(sealed.needles))), found

@@ -16,7 +16,10 @@ from agent.sealed import make_key
 from agent.store import Store, StoreError
 from agent.testmodel import Shape, make_safetensors
 from agent.unseal import KEY_MISSING, TAMPERED, Refusal, Unsealer
+from agent.launch import ProcessLauncher
 from agent.verify import check
+from agent.workers import Refused, Workers
+from tests.agents import free_port
 from tests.models import tiny_safetensors
 
 KEY = make_key(bytes(range(32)))
@@ -120,3 +123,14 @@ def test_a_file_swapped_for_another_models_is_refused(tmp_path: Path, model: Pat
     with pytest.raises(Refusal, match=f"^{TAMPERED}: model tiny .*config.json: decrypts to sha256"):
         Unsealer(store, tmp_path / "servers").open("s@cp", store.entry(digest))
     assert not (tmp_path / "servers" / "s@cp.sealed").exists()
+
+
+def test_an_encrypted_draft_model_is_refused(tmp_path: Path, model: Path) -> None:
+    store = Store(tmp_path, KEY)
+    plain, _ = store.import_model(model, "tiny")
+    draft, _ = store.import_model(model, "draft", encrypt=True)
+    workers = Workers(tmp_path, store, lambda *a: None, ProcessLauncher(), "127.0.0.1")
+    with pytest.raises(Refused) as exc:
+        workers.start({"id": "s@cp", "model": plain, "port": free_port("127.0.0.1"),
+                       "settings": {"speculative": {"mode": "draft", "draft": "draft", "draft_digest": draft}}})
+    assert exc.value.code == "encrypted_draft_unsupported" and draft in exc.value.message
