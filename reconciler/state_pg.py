@@ -107,6 +107,12 @@ class PgSql:
     def transaction(self) -> Any:
         return self.conn.transaction()
 
+    def write_batch(self, batch: Sequence[tuple[str, Sequence[Any]]]) -> None:
+        """One transaction, its statements pipelined: one round trip's wait, not one per statement."""
+        with self.conn.transaction(), self.conn.pipeline():
+            for query, params in batch:
+                self.execute(query, params)
+
     def notify(self, channel: str) -> None:
         self.conn.execute(f"NOTIFY {channel}")
 
@@ -157,6 +163,12 @@ class SharedStore:
         self.applies = ApplyLedger(self.sql)
         self.serve = ServeRecord(self.sql)
         self.drains = DrainRows(self.sql)
+
+    def beat_record(self) -> ServeRecord:
+        """For `fleet serve`: a ServeRecord on a connection of its own, its transactions sent from a
+        worker thread (deferred), which a follower also reads the leader's rows through."""
+        conn = connect(self.url)
+        return ServeRecord(PgSql(conn, self.where), deferred=True)
 
     def leader_lock(self) -> LeaderLock:
         return LeaderLock(lambda: connect(self.url))

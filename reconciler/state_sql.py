@@ -86,6 +86,7 @@ class Sql(Protocol):
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows: ...
     def transaction(self) -> Any: ...  # a context manager: one commit for everything inside
     def notify(self, channel: str) -> None: ...  # other processes hear of a change (SQLite: they poll)
+    def write_batch(self, batch: Sequence[tuple[str, Sequence[Any]]]) -> None: ...  # in one transaction
     def changed(self) -> bool: ...  # whether another process committed since the last call
     # PostgreSQL: the session's advisory lock (the session then says lock_id); SQLite: the row is the lock.
     def take_apply_lock(self, lock_id: str) -> bool: ...
@@ -128,6 +129,11 @@ class SqliteSql:
 
     def notify(self, channel: str) -> None:
         pass
+
+    def write_batch(self, batch: Sequence[tuple[str, Sequence[Any]]]) -> None:
+        with self.transaction():
+            for query, params in batch:
+                self.db.execute(query, params)
 
     def changed(self) -> bool:
         """PRAGMA data_version moves on every commit of another connection (a few microseconds)."""

@@ -81,6 +81,7 @@ class Heartbeat:
         with self.store.transaction():
             self.record(observed, asked=asked)
             self.drift(observed)
+        await self.store.flush()  # a shared store's writes, sent from a thread (SQLite: written already)
         self.view.beats += 1
         self.on_beat(trio.current_time() - started)
 
@@ -91,6 +92,7 @@ class Heartbeat:
         observed = await self.observe(self.timeout, nodes)
         with self.store.transaction():
             self.record(observed, touch=False, asked=asked)
+        await self.store.flush()
 
     def _ask(self) -> int:
         self._asked += 1

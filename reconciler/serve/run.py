@@ -67,6 +67,8 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
     # The heartbeat keeps a connection per agent between beats (transport.SocketTransport), out
     # of the descriptors the front's cap is computed from.
     kept = min(len(desired.nodes), nofile // 4)
+    if shared is not None:  # the beats' writes on a connection of their own, from a thread
+        store = shared.beat_record()
     store.tune_for_serve()  # no fsync per beat: ServeRecord.tune_for_serve says why
     transport = SocketTransport(keep_alive=True, max_idle=kept)
     async with AgentClient(secret, timeout=timeout, transport=transport) as client:

@@ -223,3 +223,21 @@ def test_unlock_refuses_a_lock_whose_session_lives(backend: tuple[str, str], ope
         assert code == 0 and "released the lock" in err
     else:
         assert code == 5 and "still open" in err and "still running" in err, err
+
+
+def test_postgresql_beat_writes_wait_for_the_flush(backend: tuple[str, str], opened: Opener) -> None:
+    if backend[0] != "postgresql":
+        pytest.skip("SQLite writes a beat at once, on the event loop (it costs no round trips)")
+    from reconciler.state_pg import SharedStore
+
+    store, reader = opened(), opened()
+    assert isinstance(store, SharedStore)
+    record = store.beat_record()
+    with record.transaction():
+        record.put_node("n1", "online", "T1", state={"servers": []}, error=None)
+        record.raise_alert("n2", "node_offline", "E: down", "T1")
+    assert reader.serve.node_states() == [] and reader.serve.alerts() == []  # kept, not sent
+    trio.run(record.flush)
+    assert reader.serve.node_states() == [("n1", "online", '{"servers": []}')]
+    assert [a["node"] for a in reader.serve.alerts()] == ["n2"]
+    record.sql.write_batch([])  # nothing kept: nothing sent, and the connection still usable
