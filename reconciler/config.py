@@ -403,4 +403,5 @@ def _build(data: dict[str, Any], layers: dict[tuple[str, int], LayerRange], ca_f
                                                   api_keys_env=cp.get("api_keys_env"),
                                                   tls=ServeTlsSpec(cp["tls"]["cert"], cp["tls"]["key"])
                                                   if "tls" in cp else None, state=cp.get("state")),
-                   nodes=nodes, models=models, replicas=replicas, clusters=clusters)
+                   nodes=nodes, models=models, replicas=replicas, clusters=clusters,
+                   delete_last_copy=frozenset(data.get("delete_last_copy", ())))

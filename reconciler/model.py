@@ -114,3 +114,4 @@ class Desired:
     models: dict[str, ModelSpec]
     replicas: tuple[ReplicaSpec, ...]
     clusters: dict[str, ClusterSpec]
+    delete_last_copy: frozenset[str] = frozenset()  # digests whose last copy in the fleet may be deleted

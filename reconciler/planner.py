@@ -18,7 +18,7 @@ from .diffs import settings_diff
 from .model import ClusterSpec, Desired, ModelSpec
 from .observed import Observed, ObservedNode
 from .pipeline_plan import StageInput, group_of, plan_group
-from .plan_order import order, select
+from .plan_order import guard, order, select
 from .plan import Action, Change, Plan
 
 VRAM_HEADROOM = 1.2  # weights plus a fifth for the KV cache and activations: an estimate, said as such
@@ -43,13 +43,15 @@ def plan(desired: Desired, observed: Observed, *, targets: tuple[str, ...] = (),
          config_digest: str = "", config_file: str = "") -> Plan:
     p = _Planner(desired, observed)
     p.run()
-    changes = order(p.changes)
+    guarded = guard(p.changes, p.ok, desired.delete_last_copy)
+    changes = order(guarded.changes)
     diags = list(p.diags)
     if targets:
         changes = select(changes, targets)
         diags.append(warning("targeted_plan", f"the plan is limited to {', '.join(targets)}",
                              "Other changes the fleet needs are left out: use -target only for "
                              "exceptional situations, then run a full plan."))
+    diags += guarded.said_for(changes)
     fingerprints = {n: o.fingerprint for n, o in observed.nodes.items() if o.ok}
     return Plan(tuple(changes), tuple(diags), config_digest, config_file, fingerprints, targets)
 

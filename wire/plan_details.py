@@ -97,6 +97,7 @@ class StopDetails(TypedDict):
 
 class DeleteDetails(TypedDict):
     digest: str
+    last_copy: NotRequired[bool]  # true: no verified copy is left in the fleet (fleet.yaml's delete_last_copy)
 
 
 Details = ReplicateDetails | StartDetails | ReplaceDetails | StopDetails | DeleteDetails
