@@ -24,6 +24,7 @@ from .pipeline_link import Link, LinkError
 from .pipeline_rows import Ledger
 from .torch_engine import Job
 
+STAGE_FAILED = "pipeline_stage_failed"  # the code a client gets when a stage ends its request
 PREFILL_TOKENS = 4096  # prompt tokens prefilled in one step at most (a longer prompt still goes alone)
 TICK_S = 2.0  # an idle pipeline sends an empty step this often: every stage's receive stays bounded
 
@@ -69,7 +70,7 @@ class PipelineEngine:
     def submit(self, job: Job) -> None:
         with self._lock:
             if self.failed is not None:
-                job.end("error", error=self.failed)
+                job.end("error", error=self.failed, code=STAGE_FAILED)
                 return
             self._live.add(job)
         self._queue.put(job)
@@ -93,7 +94,7 @@ class PipelineEngine:
             jobs, self._live = list(self._live), set()
         for job in jobs:
             if not job.ended:
-                job.end("error", error=reason)
+                job.end("error", error=reason, code=STAGE_FAILED)
         self._kick.set()
 
     # The stage's thread.

@@ -29,11 +29,13 @@ Notify = Callable[[Callable[[], None]], None]  # run a callback on the reader's 
 
 @dataclass(frozen=True, slots=True)
 class End:
-    """How a request ended: `reason` is stop, length or error (then `error` says what went wrong)."""
+    """How a request ended: `reason` is stop, length or error (then `error` says what went wrong,
+    and `code` is the stable code a client gets with it)."""
 
     reason: str
     completion_tokens: int
     error: str | None = None
+    code: str = "engine_failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +116,10 @@ class Job:
         self.cancelled = True
         self.outbox.kick()  # the engine may be idle, holding this row aside for its reader
 
-    def end(self, reason: str, last: list[int] | None = None, error: str | None = None) -> None:
+    def end(self, reason: str, last: list[int] | None = None, error: str | None = None,
+            code: str = "engine_failed") -> None:
         self.ended = True
-        self.outbox.put(last or [], End(reason, self.made, error))
+        self.outbox.put(last or [], End(reason, self.made, error, code))
 
 
 class Engine:

@@ -137,7 +137,7 @@ async def _pieces(job: Job, text: Text) -> AsyncIterator[tuple[str, End | None]]
             yield piece, End("stop", text.count)
             return
         if end is not None:
-            yield piece + text.flush(), End(end.reason, max(end.completion_tokens, text.count), end.error)
+            yield piece + text.flush(), End(end.reason, max(end.completion_tokens, text.count), end.error, end.code)
             return
         if piece:
             yield piece, None
@@ -180,8 +180,7 @@ def create_app(served: Served) -> Starlette:
                     yield wire.sse(chunks.role())
                 async for piece, end in _pieces(job, text):
                     if end is not None and end.reason == "error":
-                        yield wire.sse(wire.error(end.error or "the engine failed", "server_error", None,
-                                                  "engine_failed"))
+                        yield wire.sse(wire.error(end.error or "the engine failed", "server_error", None, end.code))
                         yield wire.DONE
                         return
                     if piece:
@@ -211,7 +210,7 @@ def create_app(served: Served) -> Starlette:
             nursery.cancel_scope.cancel()
         assert ended is not None
         if ended.reason == "error":
-            return _error_response(500, ended.error or "the engine failed", "engine_failed", "server_error")
+            return _error_response(500, ended.error or "the engine failed", ended.code, "server_error")
         return JSONResponse(wire.whole(cid, created, served.name, chat, "".join(parts), ended.reason,
                                        len(job.prompt), ended.completion_tokens))
 

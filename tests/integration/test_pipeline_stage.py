@@ -258,6 +258,7 @@ def test_a_killed_stage_ends_the_stream_naming_it_and_every_stage_exits(models: 
                     events.append(line)
         error = json.loads(events[-2].removeprefix("data: "))["error"]
         assert events[-1] == "data: [DONE]" and error["message"].startswith(named + " stopped answering")
+        assert error["code"] == "pipeline_stage_failed", error
         refused = httpx.post(p.url + "/v1/completions", json={"prompt": "x"})
         assert refused.status_code == 503 and refused.json()["error"]["message"].startswith(named)
         codes = p.exits()
