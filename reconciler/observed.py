@@ -119,6 +119,10 @@ def node_from_state(name: str, state: dict[str, Any]) -> ObservedNode:
                                        dict(s.get("settings") or {}), s.get("reason"),
                                        (s.get("pipeline") or {}).get("group"), s.get("credential") or "")
                for s in state.get("servers", [])}
+    if any("credential" in s for s in state.get("servers", [])):
+        # Workers' credentials stay here, for the router: the state goes on into snapshots (fleet
+        # observe -o) and the state store, which must not carry them.
+        state = {**state, "servers": [{k: v for k, v in s.items() if k != "credential"} for s in state["servers"]]}
     return ObservedNode(
         name=name, identity=state.get("identity", {}).get("id"), observed_at=state.get("observed_at"),
         disk_free=int(inv.get("disk", {}).get("free_bytes", 0)),

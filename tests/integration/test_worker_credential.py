@@ -112,6 +112,9 @@ def test_the_router_relays_with_the_credential_from_the_agents_state(
     agent, servers = node
     state = agent.get("/v1/state").json()
     view = View(nodes={"srv": node_from_state("srv", state)}, online={"srv": True})
+    # Only the router's view holds them: not the state kept for snapshots and the state store.
+    kept = json.dumps(view.nodes["srv"].snapshot_entry())
+    assert all(s["credential"] not in kept for s in servers.values()) and '"credential"' not in kept
     digest = "sha256:" + "0" * 64
     desired = Desired(1, ControlPlaneSpec("srv"), {"srv": NodeSpec("srv", HOST, agent.port)},
                       {"m": ModelSpec("m", "gguf", digest, "srv")}, (),
