@@ -141,7 +141,8 @@ clusters:
         serve = subprocess.Popen([fleet_bin(), "serve", "-f", str(fleet.file), "--interval", "1"],
                                  env=agent_env(FLEET_STATE_DIR=str(fleet.state_dir)), stdout=log,
                                  stderr=subprocess.STDOUT, text=True)
-        dirs = [agent.home, *caches.values(), fleet.state_dir]
+        # /dev/shm too: the one tmpfs every process may write shared memory into.
+        dirs = [agent.home, *caches.values(), fleet.state_dir, *[Path("/dev/shm")][:Path("/dev/shm").is_dir()]]
         yield Sealed(fleet, agent, dirs, plaintext_runs(st, q), digests, f"http://{listen}/v1", models, key)
     finally:
         if serve is not None:
