@@ -7,7 +7,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Awaitable, Callable, Iterator
 
 import pytest
 import trio
@@ -241,3 +241,52 @@ def test_postgresql_beat_writes_wait_for_the_flush(backend: tuple[str, str], ope
     assert reader.serve.node_states() == [("n1", "online", '{"servers": []}')]
     assert [a["node"] for a in reader.serve.alerts()] == ["n2"]
     record.sql.write_batch([])  # nothing kept: nothing sent, and the connection still usable
+
+
+def test_a_drain_meets_serve_through_the_store(backend: tuple[str, str], opened: Opener) -> None:
+    """apply's Drainer and serve's DrainWatcher, each on its own connection, as fleet serve wires
+    them (serve/run.py): on PostgreSQL woken by NOTIFY, on SQLite looking every 250 ms when idle."""
+    from reconciler.drain import Drainer
+    from reconciler.plan import Action, Change
+    from reconciler.serve.drains import DrainWatcher
+    from reconciler.serve.heartbeat import View
+    from reconciler.serve.run import SQLITE_IDLE_S
+    from reconciler.state_pg import SharedStore
+    from reconciler.state_store import DrainRows
+
+    apply, serve = opened(), opened()
+    lock, _ = apply.applies.acquire("fleet apply")
+    view, refreshed, seen_after = View(), [], []
+    notes: list[str] = []
+    change = Change(Action.REPLACE, "server.chat@a", "a", "changed", details={"server_id": "chat@a", "cluster": "chat"})
+
+    async def refresh(nodes: object) -> None:
+        refreshed.append(nodes)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            wait: Callable[[float], Awaitable[None]]
+            if isinstance(serve, SharedStore):
+                notifier = serve.notifier()
+                await nursery.start(notifier.run)
+                serve.sql.watch = notifier.watcher(DrainRows.CHANNEL)
+                wait = lambda limit: notifier.wait(DrainRows.CHANNEL, limit)  # noqa: E731
+            else:
+                wait = lambda limit: trio.sleep(SQLITE_IDLE_S)  # noqa: E731
+            watcher = DrainWatcher(serve.drains, view, lambda sid: 0, refresh, wait=wait)
+            await nursery.start(watcher.run)
+            await trio.sleep(0.3)  # idle: the watcher waits
+            asked = trio.current_time()
+            drainer = Drainer(apply.drains, lock.id, poll_s=0.01)
+            async with drainer.around(change, notes.append):
+                seen_after.append(trio.current_time() - asked)
+                assert "chat@a" in view.draining
+            assert "chat@a" not in view.draining and refreshed == [["a"]]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert notes == ["draining chat@a: 0 request(s) in flight, new ones go to the other members",
+                     "drained chat@a: no request in flight", "chat@a is back in routing"]
+    print(f"{backend[0]}: drain asked to drained and acknowledged in {seen_after[0] * 1000:.0f} ms")
+    limit = 0.25 if backend[0] == "postgresql" else SQLITE_IDLE_S + 0.25
+    assert seen_after[0] < limit, seen_after
