@@ -290,3 +290,19 @@ def test_a_drain_meets_serve_through_the_store(backend: tuple[str, str], opened:
     print(f"{backend[0]}: drain asked to drained and acknowledged in {seen_after[0] * 1000:.0f} ms")
     limit = 0.25 if backend[0] == "postgresql" else SQLITE_IDLE_S + 0.25
     assert seen_after[0] < limit, seen_after
+
+
+def test_psycopg_is_loaded_only_for_a_postgresql_url(tmp_path: Path) -> None:
+    """The core install has no psycopg: a SQLite store never imports it, and a postgresql:// URL
+    without it is a coded refusal naming the extra (the import made to fail in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom reconciler.cli import run\n"
+              f"code = run(['alerts', '--state-dir', {str(tmp_path)!r}])\n"
+              "assert code == 0 and 'psycopg' not in sys.modules, (code, [m for m in sys.modules if 'psyco' in m])\n"
+              "sys.modules['psycopg'] = None  # as if not installed\n"
+              "sys.exit(run(['alerts', '--json', '--state', 'postgresql://fleet@127.0.0.1:1/fleet']))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert '"code": "postgres_driver_missing"' in done.stdout and "fleet[postgres]" in done.stdout, done.stdout
