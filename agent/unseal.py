@@ -7,9 +7,10 @@ never crosses a process boundary, and is never in reach of an engine's code or i
 worker finds the plaintext through `/proc/AGENT_PID/fd/N` links (same user; the kernel resolves them
 to the memfd), so engines load it as the files they expect: llama.cpp mmaps the GGUF straight from
 the memfd's pages, PyTorch reads config, tokenizer and safetensors as from a directory. The memfds
-are closed, and the links removed, when the server's process ends. Each file's plaintext is hashed
-on the way and checked against the manifest: the digest pins what is served, and a file swapped for
-another one sealed under the same key is refused as surely as a flipped byte, which the cipher finds."""
+are closed, and the links removed, once PyTorch has loaded (it holds the weights itself) and when a
+llama.cpp server's process ends. Each file's plaintext is hashed on the way and checked against the
+manifest: the digest pins what is served, and a file swapped for another one sealed under the same
+key is refused as surely as a flipped byte, which the cipher finds."""
 
 from __future__ import annotations
 
@@ -145,6 +146,20 @@ class Unsealer:
             return
         try:
             if server.state == "starting":  # not stopped while decrypting
-                await supervise()
+                async with trio.open_nursery() as nursery:
+                    if entry["format"] == "safetensors":
+                        nursery.start_soon(self._release_once_loaded, server, fds)
+                    await supervise()
+                    nursery.cancel_scope.cancel()
         finally:
             self.close(server.id, fds)
+
+    async def _release_once_loaded(self, server: Starting, fds: list[int]) -> None:
+        """PyTorch has the weights in its own tensors once it answers (or maps the memfd's pages,
+        which a mapping keeps): the agent's descriptors would only hold a second copy in memory.
+        llama.cpp's worker opens its GGUF again later (the vocabulary, on first use), so it keeps them."""
+        while server.state == "starting":
+            await trio.sleep(0.1)
+        if server.state == "running":
+            self.close(server.id, fds)
+            fds.clear()

@@ -77,6 +77,16 @@ def scan(dirs: list[Path], needles: list[bytes]) -> list[str]:
     return found
 
 
+def fd_targets(pid: int) -> list[str]:
+    out = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            out.append(os.readlink(fd))
+        except OSError:  # closed meanwhile
+            continue
+    return out
+
+
 def import_encrypted(agent: Agent, src: Path, name: str) -> dict[str, Any]:
     proc = subprocess.run([fleet_bin("fleet-agent"), "import", "--home", str(agent.home), str(src), "--name", name,
                            "--encrypt", "--json"], capture_output=True, text=True, timeout=300,
@@ -175,6 +185,11 @@ def test_planned_applied_served_and_never_on_disk(sealed: Sealed) -> None:
         chat = list(client.chat.completions.create(model=cluster, messages=[{"role": "user", "content": "Hi!"}],
                                                    max_tokens=6, temperature=0, stream=True))
         assert chat[-1].choices[0].finish_reason in ("stop", "length")
+    # The agent keeps the GGUF's memfd (llama.cpp opens it again), not PyTorch's (loaded, held there).
+    assert sealed.agent.proc is not None
+    held = fd_targets(sealed.agent.proc.pid)
+    assert any("memfd:fleet:tiny-llama.gguf" in h for h in held), held
+    assert not any("memfd:fleet:model.safetensors" in h for h in held), held
     for server in sealed.agent.get("/v1/state").json()["servers"]:  # nor where it is, nor in argv
         assert b"FLEET_WEIGHTS_KEY" not in Path(f"/proc/{server['pid']}/environ").read_bytes()
         assert str(sealed.key).encode() not in Path(f"/proc/{server['pid']}/cmdline").read_bytes()
