@@ -151,6 +151,10 @@ def test_a_killed_apply_leaves_a_lock_the_next_apply_takes_over(fleet: Fleet) ->
     assert applied.returncode == 0, applied.stdout + applied.stderr
     assert "took over the lock of a process that is gone" in applied.stderr
     assert fleet.run("plan", "--detailed-exitcode").returncode == 0
+    # big was this test's own: its last copies go only when the file says so (delete_last_copy)
+    fleet.write(replicas="  tiny: [a]")
+    fleet.file.write_text(fleet.file.read_text() + f'delete_last_copy: ["{digest}"]\n')
+    assert fleet.run("apply", "--auto-approve").returncode == 0
 
 
 def test_a_failed_action_gives_exit_7_and_skips_its_dependents(fleet: Fleet) -> None:
@@ -165,7 +169,8 @@ def test_a_failed_action_gives_exit_7_and_skips_its_dependents(fleet: Fleet) -> 
     assert applied.returncode == 7, applied.stdout + applied.stderr
     assert "✗ start server.bad@cp: [server_failed]" in applied.stdout and "broken.gguf" in applied.stdout
     assert "✓ start server.good@cp" in applied.stdout  # what does not depend on the failure finishes
-    fleet.write(replicas="  tiny: [a]")  # the fix: drop the broken cluster; the next apply converges
+    fleet.write(replicas="  tiny: [a]")  # the fix: drop the broken cluster and model; the next apply converges
+    fleet.file.write_text(fleet.file.read_text() + f'delete_last_copy: ["{digest}"]\n')  # its only copy
     assert fleet.run("apply", "--auto-approve").returncode == 0
     assert fleet.run("plan", "--detailed-exitcode").returncode == 0
 
