@@ -146,9 +146,13 @@ class Fetcher:
         if "sha256:" + hashlib.sha256(body).hexdigest() != digest:
             raise FetchError(f"peer {job.peer} served a manifest that does not hash to {digest}")
         try:
-            return mf.validate(json.loads(body))
+            manifest = mf.validate(json.loads(body))
         except ValueError as exc:
             raise FetchError(f"peer {job.peer} served a bad manifest for {digest}: {exc}") from None
+        if manifest.get("encryption") is not None:  # its bytes stay on the node holding its key
+            raise FetchError(f"{digest} is encrypted at rest on {job.peer}: encrypted weights never leave the node "
+                             "that holds their key", "encrypted_remote_unsupported")
+        return manifest
 
     def _part(self, job: Job, f: dict[str, Any]) -> Path:
         if f.get("assembled"):

@@ -205,6 +205,21 @@ def test_planned_applied_served_and_never_on_disk(sealed: Sealed) -> None:
         assert sealed.agent.get(f"/v1/blobs/{blob.name}").status_code == 404
 
 
+def test_another_agent_asked_to_fetch_it_refuses(sealed: Sealed, tmp_path: Path) -> None:
+    address = "127.0.0.3"
+    b = Agent("b", address, free_port(address), tmp_path / "b").start()
+    try:
+        digest = sealed.digests["st"]
+        r = httpx.put(f"{b.url}/v1/weights/{digest}", headers=AUTH, timeout=30, json={"peer": sealed.agent.url})
+        assert r.status_code == 202, r.text
+        job = b.wait_for(f"/v1/weights/{digest}", ("present", "failed"), timeout=60, every=0.1)
+        assert job["state"] == "failed" and job["code"] == "encrypted_remote_unsupported", job
+        assert b.get("/v1/state").json()["weights"] == []
+        assert not [p for p in (tmp_path / "b").rglob("*") if p.is_file() and "partial" in p.parts]
+    finally:
+        b.stop()
+
+
 def test_another_key_is_refused_by_the_plan_and_fails_a_start_naming_the_model(sealed: Sealed,
                                                                              tmp_path: Path) -> None:
     sealed.restart(key_file(tmp_path / "other.key"))  # its servers die with it
