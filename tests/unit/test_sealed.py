@@ -10,6 +10,8 @@ import struct
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent.sealed import (HEADER, KEY_ENV, KEY_FILE_ENV, TAG_BYTES, Key, KeyProblem, Unsealable, load_key, make_key,
                           parse_key, seal_bytes, unseal)
@@ -110,3 +112,15 @@ def test_key_sources_in_order(tmp_path: Path) -> None:
     assert load_key(None, env) == parse_key(b.read_bytes(), "b")
     assert load_key(None, {KEY_ENV: env[KEY_ENV]}) == parse_key(env[KEY_ENV].encode(), "env")
     assert load_key(None, {}) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(plain=st.binary(max_size=300), chunk=st.integers(1, 64), data=st.data())
+def test_any_size_round_trips_and_any_flip_is_found(plain: bytes, chunk: int, data: st.DataObject) -> None:
+    sealed = seal_bytes(plain, KEY, "f", chunk)
+    assert opened(sealed, rel="f") == plain
+    at = data.draw(st.integers(0, len(sealed) - 1))
+    bad = bytearray(sealed)
+    bad[at] ^= data.draw(st.integers(1, 255))
+    with pytest.raises(Unsealable):
+        opened(bytes(bad), rel="f")
