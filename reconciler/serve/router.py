@@ -7,6 +7,7 @@ import hmac
 import json
 import logging
 import math
+from typing import Awaitable, Callable, Collection
 
 import httpx
 import trio
@@ -28,6 +29,13 @@ from .scrub import Scrubber
 log = logging.getLogger("fleet")
 
 RELAYED = frozenset({"/v1/completions", "/v1/chat/completions"})
+RENEW_TIMEOUT_S = 5.0  # asking an agent for a restarted worker's credential, between beats
+Refresh = Callable[[Collection[str]], Awaitable[None]]  # ask these nodes now (Heartbeat.refresh)
+
+
+def refused_credential(status: int, www_authenticate: str) -> bool:
+    """A worker's refusal of the credential sent (agent/auth.py WorkerAuth), not some other 401."""
+    return status == 401 and 'realm="fleet-worker"' in www_authenticate
 
 
 class RelayStream(Response):
@@ -110,13 +118,17 @@ def api_error(status: int, code: str, message: str) -> JSONResponse:
 class Router:
     def __init__(self, desired: Desired, view: View, *, api_keys: list[str] | None = None,
                  transport: httpx.AsyncBaseTransport | None = None, timeout: float = 300.0,
-                 metrics: ServeMetrics | None = None) -> None:
+                 metrics: ServeMetrics | None = None, refresh: Refresh | None = None) -> None:
         self.d = desired
         self.timeout = timeout  # a worker silent this long (before or during its answer) is given up on
         self.metrics = metrics or ServeMetrics()
         self.view = view
         self.keys = [k.encode() for k in api_keys or []]
         self.outstanding: dict[str, int] = {}  # server id → requests in flight on that member
+        # A worker restarted since the last beat has a new credential: its node is asked again
+        # (once for all the requests that found out at the same time) before the request goes on.
+        self.refresh = refresh
+        self._renewing: dict[str, trio.Event] = {}
         self.pool = upstream.Pool()
         self.http = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout, connect=5.0),
                                       limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
@@ -170,6 +182,57 @@ class Router:
         server = seen.servers.get(sid) if seen is not None else None
         return server.credential if server is not None else ""
 
+    async def renewed(self, node: str, sid: str, refused: str) -> str | None:
+        """The member's credential after asking its agent again, or None when it is still the one
+        refused (nothing to ask with, or the agent reports no other)."""
+        current = self.credential(node, sid)
+        if current and current != refused:  # renewed since this request set out
+            return current
+        pending = self._renewing.get(node)
+        if pending is not None:
+            await pending.wait()
+        elif self.refresh is not None:
+            pending = self._renewing[node] = trio.Event()
+            try:
+                with trio.move_on_after(RENEW_TIMEOUT_S):
+                    await self.refresh([node])
+            finally:
+                del self._renewing[node]
+                pending.set()
+        fresh = self.credential(node, sid)
+        return fresh if fresh and fresh != refused else None
+
+    async def open_stream(self, node: str, sid: str, port: int, path: str, raw: bytes) -> upstream.UpstreamResponse:
+        """upstream.post with the member's credential, asked once more with a renewed one if the
+        worker refuses it (UpstreamError, not started, if there is none)."""
+        host, credential = self.d.nodes[node].address, self.credential(node, sid)
+        response = await upstream.post(host, port, path, raw, self.pool, credential)
+        if not refused_credential(response.status, response.headers.get("www-authenticate", "")):
+            return response
+        response.close()
+        fresh = await self.renewed(node, sid, credential)
+        if fresh is None:
+            raise upstream.UpstreamError(f"{host}:{port} refused the credential its agent reported for {sid}",
+                                         started=False)
+        return await upstream.post(host, port, path, raw, self.pool, fresh)
+
+    async def post_whole(self, node: str, sid: str, port: int, path: str, raw: bytes) -> httpx.Response:
+        """As open_stream, for an answer read whole (httpx.TransportError when it cannot be had)."""
+        credential = self.credential(node, sid)
+        for attempt in range(2):
+            headers = {"content-type": "application/json"}
+            if credential:
+                headers["authorization"] = f"Bearer {credential}"
+            response = await self.http.post(f"http://{self.d.nodes[node].address}:{port}{path}", content=raw,
+                                            headers=headers)
+            if not refused_credential(response.status_code, response.headers.get("www-authenticate", "")):
+                return response
+            fresh = await self.renewed(node, sid, credential) if attempt == 0 else None
+            if fresh is None:
+                break
+            credential = fresh
+        raise httpx.TransportError(f"the worker refused the credential its agent reported for {sid}")
+
     def scrubber(self, c: ClusterSpec, node: str) -> Scrubber:
         """Scrubs the paths of `node`, and of every stage of a pipeline: the first stage relays what
         the others report (their failures name their own store)."""
@@ -210,8 +273,7 @@ class Router:
         stream = bool(body.get("stream"))
         failures = []
         for node in members:
-            host, path, sid = self.d.nodes[node].address, request.scope["path"], server_id(cluster.name, node)
-            credential = self.credential(node, sid)
+            path, sid = request.scope["path"], server_id(cluster.name, node)
             if sid in self.view.draining:  # drained while an earlier member was tried
                 failures.append(f"{node}: draining for an apply")
                 continue
@@ -219,8 +281,7 @@ class Router:
             if stream:
                 try:
                     with trio.fail_after(self.timeout):
-                        upstream_response = await upstream.post(host, cluster.port, path, raw, self.pool,
-                                                                credential)
+                        upstream_response = await self.open_stream(node, sid, cluster.port, path, raw)
                 except trio.TooSlowError:
                     failure = f"no answer within {self.timeout:g}s"
                 except upstream.UpstreamError as exc:
@@ -232,11 +293,8 @@ class Router:
                 failures.append(f"{node}: {failure}")
                 log.warning("cluster %s: the member on %s did not answer: %s", cluster.name, node, failure)
                 continue
-            headers = {"content-type": "application/json"}
-            if credential:
-                headers["authorization"] = f"Bearer {credential}"
             try:
-                response = await self.http.post(f"http://{host}:{cluster.port}{path}", content=raw, headers=headers)
+                response = await self.post_whole(node, sid, cluster.port, path, raw)
             except httpx.TransportError as exc:
                 failures.append(f"{node}: {type(exc).__name__}: {exc}")
                 log.warning("cluster %s: the member on %s did not answer: %s: %s", cluster.name, node,

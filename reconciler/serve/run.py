@@ -87,11 +87,13 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
 
         heartbeat = make_heartbeat()
         view = heartbeat.view
-        router = Router(desired, view, api_keys=keys, metrics=metrics)
         notifier = shared.notifier() if shared is not None else None
         roles = (Roles(make_heartbeat, view, store, shared.leader_lock(),
                        lambda limit: notifier.wait(ServeRecord.CHANNEL, limit), poll_s=min(interval / 4, 2.0))
                  if shared is not None and notifier is not None else None)
+        # A worker restarted between beats refuses the credential the router holds: its agent is asked again.
+        router = Router(desired, view, api_keys=keys, metrics=metrics,
+                        refresh=roles.refresh if roles else heartbeat.refresh)
         watcher = (DrainWatcher(drains, view, router.in_flight, roles.refresh if roles else heartbeat.refresh,
                                 on_change=metrics.draining.set,
                                 wait=(lambda limit: notifier.wait(DrainRows.CHANNEL, limit)) if notifier

@@ -140,3 +140,48 @@ def test_the_router_relays_with_the_credential_from_the_agents_state(
                 '"model":"', '"model": "'), r.text
         else:
             assert r.json()["model"] == cluster
+
+
+def test_a_worker_restarted_between_beats_is_asked_for_again(node: tuple[Agent, dict[str, dict[str, Any]]]) -> None:
+    """The router holds the credential of the last beat; a member restarted since (a replace of a
+    cluster of one, with no drain to tell serve) refuses it. The router asks that agent again, once
+    for all the requests that found out together, and the requests are answered."""
+    agent, servers = node
+    stale = View(nodes={"srv": node_from_state("srv", agent.get("/v1/state").json())}, online={"srv": True})
+    old = servers["gguf"]
+    assert httpx.delete(f"{agent.url}/v1/servers/local@srv", headers=AUTH, timeout=60).status_code == 200
+    r = httpx.post(f"{agent.url}/v1/servers", headers=AUTH, timeout=30, json={
+        "id": "local@srv", "model": old["model"], "port": old["port"], "settings": old["settings"]})
+    assert r.status_code == 202, r.text
+    new = agent.wait_for("/v1/servers/local@srv", ("running", "failed"), timeout=200, every=0.2)
+    assert new["state"] == "running" and new["credential"] != old["credential"], new["reason"]
+    servers["gguf"] = new
+    desired = Desired(1, ControlPlaneSpec("srv"), {"srv": NodeSpec("srv", HOST, agent.port)},
+                      {"m": ModelSpec("m", "gguf", "sha256:" + "0" * 64, "srv")}, (),
+                      {"local": ClusterSpec("local", "m", ("srv",), new["port"])})
+    asked: list[list[str]] = []
+
+    async def refresh(nodes: Any) -> None:
+        asked.append(list(nodes))
+        state = (await trio.to_thread.run_sync(lambda: agent.get("/v1/state"))).json()
+        stale.nodes["srv"] = node_from_state("srv", state)
+
+    async def ask(router: Router, streams: list[bool]) -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router.app()), base_url="http://cp",
+                                     timeout=120) as client:
+            out: list[httpx.Response] = []
+
+            async def one(stream: bool) -> None:
+                out.append(await client.post("/v1/chat/completions", json={**CHAT, "model": "local", "stream": stream}))
+            async with trio.open_nursery() as nursery:
+                for stream in streams:
+                    nursery.start_soon(one, stream)
+            return out
+
+    refused = trio.run(ask, Router(desired, stale), [True, False])  # nothing to ask with: said, not relayed
+    assert [r.status_code for r in refused] == [502, 502], [r.text for r in refused]
+    assert all("refused the credential" in r.text and r.json()["error"]["code"] == "no_member_answered"
+               for r in refused)
+    answered = trio.run(ask, Router(desired, stale, refresh=refresh), [True, False, True, False])
+    assert [r.status_code for r in answered] == [200] * 4, [r.text for r in answered]
+    assert asked == [["srv"]]  # once, for the four requests
