@@ -77,12 +77,15 @@ class WorkerAuth:
         self.expected = b"Bearer " + credential.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         if given is not None and hmac.compare_digest(given, self.expected):
             await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # a websocket: closed before it is accepted (the server says 403)
+            await send({"type": "websocket.close", "code": 1008})
             return
         message = ("this worker answers only fleet's router: send requests to `fleet serve`, which checks "
                    "your API key and forwards them")

@@ -6,6 +6,7 @@ cluster, never by a store path, even on the worker's own port."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -70,6 +71,10 @@ def test_a_request_without_the_credential_is_refused(node: tuple[Agent, dict[str
             assert r.headers["www-authenticate"].startswith("Bearer")
     health = "/v1/models" if fmt == "gguf" else "/health"
     assert httpx.get(worker(s, health), timeout=30).status_code == 401
+    with socket.create_connection((HOST, s["port"]), timeout=30) as sock:  # nor a websocket upgrade
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: w\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        assert sock.recv(4096).split(b" ", 2)[1] in (b"401", b"403")
 
 
 @pytest.mark.parametrize("fmt", list(CLUSTERS))
