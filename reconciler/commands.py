@@ -131,7 +131,8 @@ def cmd_apply(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
     saved = _read_plan(args.planfile, loaded) if args.planfile else None
     # The lock covers planning too: two applies planning at once would both plan the same work.
-    with open_store(args.state_dir, args.state, loaded.desired.control_plane.state if loaded.desired else None) as store:
+    with open_store(args.state_dir, getattr(args, "state", None),
+                    loaded.desired.control_plane.state if loaded.desired else None) as store:
         ledger = store.applies
         try:
             lock, taken = ledger.acquire(" ".join(["fleet", *sys.argv[1:]]))
@@ -259,7 +260,7 @@ def cmd_serve(args: argparse.Namespace, path: str) -> int:
     logging.basicConfig(level=logging.INFO, format="fleet serve: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request is noise
     secret = _secret()
-    store = open_store(args.state_dir, args.state, desired.control_plane.state)
+    store = open_store(args.state_dir, getattr(args, "state", None), desired.control_plane.state)
     try:
         trio.run(lambda: serve(desired, secret, store.serve, interval=args.interval, misses=args.misses,
                                timeout=args.timeout, drains=store.drains,

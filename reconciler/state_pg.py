@@ -61,9 +61,9 @@ def _driver() -> Any:
 
 
 def store_errors() -> tuple[type[BaseException], ...]:
-    """The driver's errors, once it is loaded (a SQLite store never loads it)."""
+    """The driver's errors, once it is loaded (a SQLite store never loads it), and ours."""
     module = sys.modules.get("psycopg")
-    return (module.Error,) if module is not None else ()
+    return (module.Error, StateError) if module is not None else (StateError,)
 
 
 def connect(url: str) -> psycopg.Connection[Any]:

@@ -32,11 +32,11 @@ def open_store(state_dir: str | None, url: str | None = None, in_file: str | Non
 def _open(args: argparse.Namespace, path: str | None = None) -> Store:
     """The store of --state, --state-dir or $FLEET_STATE_URL, else of the fleet file's
     control_plane.state (read only then, and only if the file is there)."""
-    in_file = None
-    if not (args.state or args.state_dir or os.environ.get(STATE_URL_ENV)) and path and Path(path).is_file():
+    in_file, url = None, getattr(args, "state", None)
+    if not (url or args.state_dir or os.environ.get(STATE_URL_ENV)) and path and Path(path).is_file():
         loaded = config.load(path)
         in_file = loaded.desired.control_plane.state if loaded.desired is not None else None
-    return open_store(args.state_dir, args.state, in_file)
+    return open_store(args.state_dir, url, in_file)
 
 
 def cmd_unlock(args: argparse.Namespace) -> int:
