@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from typing import Any, Awaitable, Callable, Collection, Protocol
 
 import trio
 
-from ..observed import node_from_state
+from ..observed import ObservedNode, node_from_state
 from ..state_store import ServeRecord
-from .heartbeat import Heartbeat, View
+from .heartbeat import Heartbeat, ObserveFn, View
 
 log = logging.getLogger("fleet")
 
@@ -28,20 +29,43 @@ class Lock(Protocol):
 
 class Follower:
     """The router's view from the leader's rows: a node is up when its row says online, and what it
-    runs is the state its row keeps (re-parsed only when that text changed)."""
+    runs is the state its row keeps (re-parsed only when that text changed). Workers' credentials
+    are not kept in the store (observed.node_from_state leaves them out): a follower keeps the ones
+    it asked for itself (`refresh`, when a worker refuses a request), until refused again."""
 
-    def __init__(self, record: ServeRecord, view: View) -> None:
-        self.record, self.view = record, view
+    def __init__(self, record: ServeRecord, view: View, observe: ObserveFn | None = None,
+                 timeout: float = 10.0) -> None:
+        self.record, self.view, self.observe, self.timeout = record, view, observe, timeout
         self._texts: dict[str, str] = {}
 
     async def sync(self) -> None:
         # In a thread: at 1,000 nodes the rows are megabytes, and the event loop relays streams.
         for name, status, text in await trio.to_thread.run_sync(self.record.node_states):
             if text is not None and self._texts.get(name) != text:
-                self.view.nodes[name] = node_from_state(name, json.loads(text))
+                self.view.nodes[name] = _credentials_kept(node_from_state(name, json.loads(text)),
+                                                          self.view.nodes.get(name))
                 self._texts[name] = text
             self.view.online[name] = status == "online" and name in self.view.nodes
         self.view.beats += 1
+
+    async def refresh(self, nodes: Collection[str]) -> None:
+        """Ask these agents now, for this process's view only (the leader writes the rows)."""
+        if self.observe is None:
+            return
+        observed = await self.observe(self.timeout, nodes)
+        for name, node in observed.nodes.items():
+            if node.ok:
+                self.view.nodes[name] = node
+
+
+def _credentials_kept(node: ObservedNode, before: ObservedNode | None) -> ObservedNode:
+    """`node` read from the store, with the credentials this process had for the same servers."""
+    if before is None:
+        return node
+    servers = {sid: replace(s, credential=before.servers[sid].credential)
+               if not s.credential and sid in before.servers and before.servers[sid].credential else s
+               for sid, s in node.servers.items()}
+    return replace(node, servers=servers)
 
 
 class Roles:
@@ -53,9 +77,10 @@ class Roles:
 
     def __init__(self, make_heartbeat: Callable[[View], Heartbeat], view: View, record: ServeRecord, lock: Lock,
                  changed: Callable[[float], Awaitable[None]], *, poll_s: float,
-                 on_lead: Callable[[bool], None] | None = None) -> None:
+                 on_lead: Callable[[bool], None] | None = None, observe: ObserveFn | None = None,
+                 timeout: float = 10.0) -> None:
         self.make_heartbeat, self.view, self.lock, self.changed = make_heartbeat, view, lock, changed
-        self.follower = Follower(record, view)
+        self.follower = Follower(record, view, observe, timeout)
         self.poll_s = poll_s
         self.on_lead = on_lead or (lambda leading: None)
         self.heartbeat: Heartbeat | None = None  # while this process leads
@@ -65,9 +90,12 @@ class Roles:
         return self.heartbeat is not None
 
     async def refresh(self, nodes: Collection[str]) -> None:
-        """Heartbeat.refresh while leading; a follower asks nothing (the leader admits drains)."""
+        """Heartbeat.refresh while leading (it records what it found); a follower asks for its own
+        view only (a worker's new credential: the leader admits drains)."""
         if self.heartbeat is not None:
             await self.heartbeat.refresh(nodes)
+        else:
+            await self.follower.refresh(nodes)
 
     async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Started once this process routes: after its first beat as leader, or its first read of

@@ -89,7 +89,8 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
         view = heartbeat.view
         notifier = shared.notifier() if shared is not None else None
         roles = (Roles(make_heartbeat, view, store, shared.leader_lock(),
-                       lambda limit: notifier.wait(ServeRecord.CHANNEL, limit), poll_s=min(interval / 4, 2.0))
+                       lambda limit: notifier.wait(ServeRecord.CHANNEL, limit), poll_s=min(interval / 4, 2.0),
+                       observe=observe, timeout=timeout)
                  if shared is not None and notifier is not None else None)
         # A worker restarted between beats refuses the credential the router holds: its agent is asked again.
         router = Router(desired, view, api_keys=keys, metrics=metrics,
