@@ -39,8 +39,11 @@ class Follower:
         self._texts: dict[str, str] = {}
 
     async def sync(self) -> None:
-        # In a thread: at 1,000 nodes the rows are megabytes, and the event loop relays streams.
-        for name, status, text in await trio.to_thread.run_sync(self.record.node_states):
+        # PostgreSQL: in a thread (at 1,000 nodes the rows are megabytes, and the event loop relays
+        # streams); a SQLite connection is its thread's, and reads a local file.
+        read = self.record.node_states
+        rows = read() if self.record.sql.dialect == "sqlite" else await trio.to_thread.run_sync(read)
+        for name, status, text in rows:
             if text is not None and self._texts.get(name) != text:
                 self.view.nodes[name] = _credentials_kept(node_from_state(name, json.loads(text)),
                                                           self.view.nodes.get(name))
