@@ -151,6 +151,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return Exit.INVALID_CONFIG if any(f.level == "error" for f in findings) else Exit.OK
 
 
+def _piece_size(text: str) -> int:
+    from wire.pieces import MAX_PIECE, MIN_PIECE
+
+    from .fetch import parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise Refused(f"--piece-size: {exc}") from None
+    if not MIN_PIECE <= size <= MAX_PIECE:
+        raise Refused(f"--piece-size must be from {MIN_PIECE:,} to {MAX_PIECE:,} bytes, not {size:,}")
+    return size
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from .store import Store, StoreError
 
@@ -167,8 +181,10 @@ def cmd_import(args: argparse.Namespace) -> int:
                       "(make one with: head -c 32 /dev/urandom > KEYFILE; chmod 600 KEYFILE)")
     if args.encrypt and args.link:
         raise Refused("--encrypt stores an encrypted copy; it cannot hard-link the original (--link)")
+    piece_bytes = _piece_size(args.piece_size)
     try:
-        digest, manifest = Store(home, key).import_model(src, name, link=args.link, encrypt=args.encrypt)
+        digest, manifest = Store(home, key).import_model(src, name, link=args.link, encrypt=args.encrypt,
+                                                         piece_bytes=piece_bytes)
     except (StoreError, OSError) as exc:
         raise Refused(f"cannot import {src}: {exc}") from None
     size = sum(f["size"] for f in manifest["files"])
@@ -293,6 +309,9 @@ def build_parser() -> Parser:
                    help="store it encrypted at rest (AES-256-GCM) under this node's weights key; it is then "
                         "served only here, decrypted into memory, never to disk")
     p.add_argument("--key-file", metavar="FILE", help=key_help)
+    p.add_argument("--piece-size", default="16MiB", metavar="SIZE",
+                   help="size of the pieces a receiver verifies and forwards as they arrive; part of the "
+                        "digest (default: 16MiB)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_import)
 

@@ -1,5 +1,7 @@
 """Fetching weights from a peer: one job per digest, streamed to a partial file while hashing,
-verified, fsynced, renamed; resumed with a Range request from whatever is on disk. The disk work
+verified piece by piece as it lands (a bad piece is discarded and named: piece_corrupt), forwarded
+to peers as it is verified (agent/forward.py), checked whole, fsynced, renamed; resumed with a
+Range request from the last good piece on disk. The disk work
 that is not the transfer itself (re-hashing what a resume finds, fsync, commit) runs in a worker
 thread: the agent answers /v1/state meanwhile. A fetch never eats the disk's reserve; a disk that
 fills anyway fails it as disk_full, naming the node and the free space, and removes the partial."""
@@ -9,14 +11,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import os
 import re
 import shutil
 import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
 import trio
 
@@ -24,11 +25,16 @@ from wire import manifest as mf
 from wire.layers import LayerRange
 from wire.state import FetchJob
 
+from .forward import Partial, Partials
+from .partfile import FetchError, LocalWrite, Take, install, open_part, rehash, write_pieced
 from .peerhttp import PeerError, get, get_bytes
-from .store import CHUNK, Store, fsync_dir
+from .store import Store
 
 DEFAULT_RESERVE = 1 << 30  # kept free on the store's disk unless --disk-reserve says otherwise ...
 RESERVE_FRACTION = 10  # ... or a tenth of a smaller disk
+# A peer in a chain may be asked before it has begun its own fetch (the executor starts a chain
+# at once): its 404 is waited out this long, then is final.
+PEER_START_S = 30.0
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)b?\s*\Z", re.IGNORECASE)
 
 
@@ -43,21 +49,6 @@ def parse_size(text: str) -> int:
 
 def default_reserve(path: Path) -> int:
     return min(DEFAULT_RESERVE, shutil.disk_usage(path).total // RESERVE_FRACTION)
-
-
-class FetchError(Exception):
-    def __init__(self, message: str, code: str = "fetch_failed") -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class _LocalWrite(Exception):
-    """A write to our own disk failed inside the transfer; not an OSError, so that the peer code,
-    which reads every OSError as a broken connection, lets it through."""
-
-    def __init__(self, error: OSError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 @dataclass
@@ -76,6 +67,8 @@ class Job:
     resumable: bool = False  # failed keeping what arrived: asking again resumes (the executor does)
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
+    manifest: bytes | None = None  # verified against the digest: served to peers that chain from here
+    partials: list[tuple[str, Partial]] = field(default_factory=list)
 
     def to_json(self) -> FetchJob:
         elapsed = (self.finished or time.monotonic()) - self.started
@@ -84,7 +77,8 @@ class Job:
                 "bytes_total": self.bytes_total, "bytes_done": self.bytes_done,
                 "bytes_fetched": self.bytes_fetched,
                 "rate_bytes_per_s": round(self.bytes_fetched / elapsed) if elapsed > 0 else 0,
-                "error": self.error, "code": self.code, "resumable": self.resumable}
+                "error": self.error, "code": self.code, "resumable": self.resumable,
+                "bytes_forwarded": sum(p.served for _, p in self.partials)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +105,7 @@ class Fetcher:
         self.jobs: dict[str, Job] = {}
         self._locks: dict[str, trio.Lock] = {}
         self._claims: dict[str, int] = {}  # bytes each running job has still to write
+        self.partials = Partials()  # files being fetched, served to peers as they are verified
 
     def request(self, digest: str, peer: str, name: str = "", source_digest: str | None = None,
                 layers: LayerRange | None = None) -> Job:
@@ -126,6 +121,11 @@ class Fetcher:
     def active(self) -> list[Job]:
         return [j for j in self.jobs.values() if j.state == "fetching"]
 
+    def manifest_of(self, digest: str) -> bytes | None:
+        """The verified manifest of a model being fetched here, for a peer chained from this node."""
+        job = self.jobs.get(digest)
+        return job.manifest if job is not None and job.state == "fetching" else None
+
     async def _run(self, job: Job) -> None:
         try:
             await self._fetch(job)
@@ -139,10 +139,25 @@ class Fetcher:
             job.code = "internal_error"
         finally:
             self._claims.pop(job.digest, None)
+            for sha, partial in job.partials:
+                if partial.verified < partial.size:
+                    partial.failed = job.error or "the fetch ended"
+                self.partials.drop(sha, partial)
             job.finished = time.monotonic()
 
     async def _manifest(self, job: Job, digest: str) -> dict[str, Any]:
-        body = await get_bytes(job.peer, f"/v1/manifests/{digest}", self.secret, ssl_context=self.ssl_context)
+        deadline = trio.current_time() + PEER_START_S
+        while True:
+            try:
+                body = await get_bytes(job.peer, f"/v1/manifests/{digest}", self.secret, ssl_context=self.ssl_context)
+                break
+            except PeerError as exc:
+                if exc.status != 404:
+                    raise
+                if trio.current_time() > deadline:
+                    raise FetchError(f"peer {job.peer} neither holds nor is fetching {digest} after "
+                                     f"{PEER_START_S:.0f} s: {exc}", "peer_not_holding") from None
+                await trio.sleep(0.1)
         if "sha256:" + hashlib.sha256(body).hexdigest() != digest:
             raise FetchError(f"peer {job.peer} served a manifest that does not hash to {digest}")
         try:
@@ -201,6 +216,13 @@ class Fetcher:
             manifest = await self._manifest(job, job.digest)
         job.bytes_total = sum(f["size"] for f in manifest["files"])
         self._claim(job, manifest)
+        if job.layers is None:  # a whole model's files are forwarded to peers chained from here
+            for f in manifest["files"]:
+                if not self.store.has_blob(f["sha256"]):
+                    want = Partial(self._part(job, f), f["size"], lambda: job.bytes_done, self.node)
+                    job.partials.append((f["sha256"], self.partials.add(f["sha256"], want)))
+            job.manifest = mf.canonical(manifest)
+        forwarded = dict(job.partials)
         blobs: dict[str, str] = {}
         for f in manifest["files"]:
             if f.get("assembled"):
@@ -216,8 +238,14 @@ class Fetcher:
                     if self.store.has_blob(f["sha256"]):
                         job.bytes_done += f["size"]
                         continue
+                    partial = forwarded.get(f["sha256"])
+                    if "pieces" in f and partial is not None:
+                        await self._assemble_pieced(job, self._part(job, f), f, partial)
+                        continue
                     seg = Segment(f"file {f['path']}", f["size"], f["sha256"], blob=f["sha256"])
                     await self._assemble(job, self._part(job, f), [seg], f["path"])
+                    if partial is not None:  # no pieces: forwarded once whole and verified
+                        partial.path, partial.verified = self.store.blob_path(f["sha256"]), f["size"]
         try:
             await trio.to_thread.run_sync(self.store.commit, job.digest, manifest, blobs, job.name)
         except OSError as exc:
@@ -230,16 +258,29 @@ class Fetcher:
         verify each segment; move the file into the store. Returns its sha256."""
         try:
             return await self._write(job, part, segments, path)
-        except _LocalWrite as exc:
+        except LocalWrite as exc:
             raise self._disk_error(exc.error, part) from None
         except OSError as exc:  # the peer's own errors arrive as PeerError: an OSError here is our disk's
+            raise self._disk_error(exc, part) from None
+
+    async def _assemble_pieced(self, job: Job, part: Path, f: dict[str, Any], partial: Partial) -> None:
+        """A file with a piece list: each piece checked as it lands and then published to `partial`
+        (served to peers), the whole file checked at the end; a bad piece is cut off and named."""
+        async def download(path: str, first: int, last: int, take: Take) -> int:
+            return await get(job.peer, path, self.secret, take, start=first, end=last, ssl_context=self.ssl_context)
+
+        try:
+            await write_pieced(job, part, f, partial, download, self.store.blob_path(f["sha256"]), self.node)
+        except LocalWrite as exc:
+            raise self._disk_error(exc.error, part) from None
+        except OSError as exc:
             raise self._disk_error(exc, part) from None
 
     async def _write(self, job: Job, part: Path, segments: list[Segment], path: str) -> str:
         total = sum(s.size for s in segments)
         # A whole file is one segment whose hash is the file's: hash it once, not twice.
         whole = hashlib.sha256() if len(segments) > 1 else None
-        fh, have = await trio.to_thread.run_sync(_open_part, part, total)
+        fh, have = await trio.to_thread.run_sync(open_part, part, total)
         with fh:
             pos = 0
             for seg in segments:
@@ -247,7 +288,7 @@ class Fetcher:
                 hashers = [h] if whole is None else [h, whole]
                 kept = max(0, min(seg.size, have - pos))
                 if kept:  # what is already on disk: re-hashed off the event loop, fetched again never
-                    await trio.to_thread.run_sync(_rehash, fh, pos, kept, hashers)
+                    await trio.to_thread.run_sync(rehash, fh, pos, kept, hashers)
                 job.bytes_done += kept
                 if kept < seg.size:
                     fh.seek(pos + kept)
@@ -256,7 +297,7 @@ class Fetcher:
                         try:
                             fh.write(chunk)
                         except OSError as exc:
-                            raise _LocalWrite(exc) from None
+                            raise LocalWrite(exc) from None
                         for x in hashers:
                             x.update(chunk)
                         job.bytes_done += len(chunk)
@@ -282,34 +323,7 @@ class Fetcher:
                                      f"sha256 {seg.sha256}, received {actual}; the bytes were discarded")
                 pos += seg.size
             sha = whole.hexdigest() if whole is not None else segments[0].sha256
-            await trio.to_thread.run_sync(_install, fh, part, self.store.blob_path(sha))
+            await trio.to_thread.run_sync(install, fh, part, self.store.blob_path(sha))
         return sha
 
 
-def _open_part(part: Path, total: int) -> tuple[IO[bytes], int]:
-    """The partial file, opened for writing, and how many of its bytes an earlier attempt left."""
-    have = part.stat().st_size if part.exists() else 0
-    if have > total:
-        have = 0
-    fh = open(part, "r+b" if part.exists() else "w+b")
-    fh.truncate(have)
-    return fh, have
-
-
-def _rehash(fh: IO[bytes], pos: int, count: int, hashers: list[Any]) -> None:
-    fh.seek(pos)
-    while count:
-        chunk = fh.read(min(CHUNK, count))
-        if not chunk:
-            break
-        for x in hashers:
-            x.update(chunk)
-        count -= len(chunk)
-
-
-def _install(fh: IO[bytes], part: Path, dest: Path) -> None:
-    """fsync the verified file and move it into the store under its digest."""
-    fh.flush()
-    os.fsync(fh.fileno())
-    os.replace(part, dest)
-    fsync_dir(dest.parent)

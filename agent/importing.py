@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from wire import manifest as mf
+from wire import pieces
 
 from .sealed import Key, SealWriter, manifest_block
 from .store import CHUNK, Store, StoreError
@@ -19,7 +20,7 @@ _SKIP_DIRS = {".git", ".cache", "__pycache__"}
 
 
 def import_model(store: Store, src: Path, name: str, *, link: bool = False,
-             encrypt: bool = False) -> tuple[str, dict[str, Any]]:
+             encrypt: bool = False, piece_bytes: int | None = None) -> tuple[str, dict[str, Any]]:
     """Hash and store a local model (an HF directory, or one .gguf file). With
     `encrypt`, every file of it is sealed under the store's key (none is kept in plaintext)."""
     if encrypt and (store.key is None or link):
@@ -45,7 +46,8 @@ def import_model(store: Store, src: Path, name: str, *, link: bool = False,
     entries, blobs = [], {}
     for path, rel in zip(files, rels):
         entry, stored = _import_file(store, path, mf.safe_relpath(rel), link=link,
-                                          key=store.key if encrypt else None)
+                                          key=store.key if encrypt else None,
+                                          piece_bytes=piece_bytes or pieces.PIECE_BYTES)
         entries.append(entry)
         blobs[rel] = stored
     layers = None
@@ -63,10 +65,11 @@ def import_model(store: Store, src: Path, name: str, *, link: bool = False,
     return digest, manifest
 
 def _import_file(store: Store, path: Path, rel: str, *, link: bool,
-             key: Key | None = None) -> tuple[dict[str, Any], str]:
+             key: Key | None = None, piece_bytes: int = pieces.PIECE_BYTES) -> tuple[dict[str, Any], str]:
     """The file's manifest entry (its plaintext's hashes) and the sha256 it is stored under."""
     size = path.stat().st_size
     whole = hashlib.sha256()
+    piece_hashes = pieces.Hasher(piece_bytes)
     tensors: list[dict[str, Any]] = []
     tmp = store.partial / f".import-{os.getpid()}-{hashlib.sha256(rel.encode()).hexdigest()[:16]}"
     with open(path, "rb") as fh, (open(os.devnull, "wb") if link else open(tmp, "wb")) as raw:
@@ -85,6 +88,7 @@ def _import_file(store: Store, path: Path, rel: str, *, link: bool,
         pos = 0
         while chunk := fh.read(CHUNK):
             whole.update(chunk)
+            piece_hashes.update(chunk)
             out.write(chunk)
             view, at = memoryview(chunk), pos
             while cur is not None and at < pos + len(chunk):
@@ -114,7 +118,8 @@ def _import_file(store: Store, path: Path, rel: str, *, link: bool,
         os.link(path, dest)
     else:
         os.replace(tmp, dest)
-    entry: dict[str, Any] = {"path": rel, "size": size, "sha256": sha}
+    entry: dict[str, Any] = {"path": rel, "size": size, "sha256": sha,
+                             **pieces.entry_fields(size, piece_hashes.finish(), piece_bytes)}
     if rel.endswith(".safetensors"):
         entry["tensors"] = tensors
     return entry, stored or sha

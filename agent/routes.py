@@ -17,6 +17,7 @@ from wire import manifest as mf
 from wire.layers import LayerRange, LayerRangeError
 
 from .blobs import BlobResponse
+from .forward import PartialBlobResponse
 from .store import StoreError
 from .workers import Refused
 
@@ -68,12 +69,22 @@ class Weights:
         try:
             return Response(self.ctx.store.manifest_bytes(digest), media_type="application/json")
         except StoreError as exc:
+            fetching = self.ctx.fetcher.manifest_of(digest)  # a chain: served while it is fetched here
+            if fetching is not None:
+                return Response(fetching, media_type="application/json")
+            job = self.ctx.fetcher.jobs.get(digest)
+            if job is not None and job.state == "failed":  # a peer chained from here stops waiting at once
+                return error_response(409, "peer_fetch_failed", f"node {self.ctx.fetcher.node!r} could not fetch "
+                                      f"{digest} itself: {job.error}")
             return error_response(404, "weights_not_held", str(exc))
 
     async def blob(self, request: Request) -> Response:
         sha = request.path_params["sha"]
         path = self.ctx.store.blob_path(sha)  # validates: 64 hex digits, nothing else reaches the disk
         if not path.is_file():
+            partial = self.ctx.fetcher.partials.get(sha)  # being fetched: its verified pieces are served
+            if partial is not None:
+                return PartialBlobResponse(partial, request.headers.get("range"))
             return error_response(404, "blob_not_held", f"blob {sha} is not held here")
         return BlobResponse(path, request.headers.get("range"))
 

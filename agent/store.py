@@ -302,10 +302,10 @@ class Store:
 
     # ---- import (agent/importing.py) ----
 
-    def import_model(self, src: Path, name: str, *, link: bool = False,
-                     encrypt: bool = False) -> tuple[str, dict[str, Any]]:
+    def import_model(self, src: Path, name: str, *, link: bool = False, encrypt: bool = False,
+                     piece_bytes: int | None = None) -> tuple[str, dict[str, Any]]:
         """Hash and store a local model (an HF directory, or one .gguf file); never modifies it. With
         `encrypt`, every file of it is sealed under the store's key (none is kept in plaintext)."""
         from .importing import import_model
 
-        return import_model(self, src, name, link=link, encrypt=encrypt)
+        return import_model(self, src, name, link=link, encrypt=encrypt, piece_bytes=piece_bytes)

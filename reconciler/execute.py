@@ -86,9 +86,14 @@ class Executor:
         self.retries = retries
         self.backoff_s = backoff_s
         self.drains = drains  # drains a member of a cluster of several before its replace (drain.py)
+        self._accepted: dict[str, trio.Event] = {}  # per run: a fetch's PUT was accepted by its agent
 
     async def run(self, plan: Plan) -> list[Result]:
         done: dict[str, trio.Event] = {c.address: trio.Event() for c in plan.changes}
+        # A fetch chained from another (its peer is that fetch's node) starts once that fetch is
+        # accepted, not done: the peer forwards pieces as they arrive (reconciler/fanout.py).
+        self._accepted = accepted = {c.address: trio.Event() for c in plan.changes}
+        by_address = {c.address: c for c in plan.changes}
         results: dict[str, Result] = {}
         units: dict[str, list[Change]] = {}  # a pipeline group's stages, or one change alone
         for c in plan.changes:
@@ -100,7 +105,8 @@ class Executor:
             deps = list(dict.fromkeys(d for c in unit for d in c.depends_on if d not in inside))
             for dep in deps:
                 if dep in done:
-                    await done[dep].wait()
+                    chained = all(streams_from(c, by_address[dep]) for c in unit)
+                    await (accepted if chained else done)[dep].wait()
             failed = [d for d in deps if d in results and results[d].status != "done"]
             if failed:
                 for c in unit:
@@ -118,6 +124,7 @@ class Executor:
                                                     message, self.clock() - start, tally.retries, code)
             for c in unit:
                 self.progress("finished", {"change": c, "result": results[c.address]})
+                accepted[c.address].set()
                 done[c.address].set()
 
         async with trio.open_nursery() as nursery:
@@ -226,6 +233,7 @@ class Executor:
         resumes = 0
         while True:
             await self.call(tally, lambda: self.client.fetch(node, digest, body))
+            self._accepted[c.address].set()
             try:
                 state = await self.poll(tally, lambda: self.client.weights(node, digest), self._fetched(c),
                                         STALL_S, lambda _: ActionFailed(
@@ -292,6 +300,12 @@ class Executor:
                                                    f"{s['state'] if s else '?'} past its startup timeout"))
         assert s is not None  # judged running
         return f"{d['server_id']} running on {c.node}:{d['port']} (pid {s['pid']})"
+
+
+def streams_from(c: Change, dep: Change) -> bool:
+    """Whether fetch `c` takes its bytes from fetch `dep` while `dep` still receives them."""
+    return ("peer" in c.details and "peer" in dep.details and c.details["peer"] == dep.node
+            and c.details["digest"] == dep.details["digest"] and "layers" not in c.details)
 
 
 def _stage_of(c: Change) -> str:

@@ -14,6 +14,7 @@ from wire.plan_details import (DeleteDetails, ReplaceDetails, ReplicateDetails, 
 from wire.windows import Window, status
 
 from .diagnostics import Diagnostic, error, warning
+from . import fanout
 from .diffs import settings_diff
 from .model import ClusterSpec, Desired, ModelSpec
 from .observed import Observed, ObservedNode
@@ -154,12 +155,16 @@ class _Planner:
                                             f"Import it on {w.model.source!r}: fleet-agent import PATH.",
                                             address=replica_address(w.address_model, node)))
                 continue
-            # Fan out: a node that will hold a verified copy serves the next ones, each peer at most
-            # two, so N copies take about log2(N) rounds instead of N pulls from the source.
-            peers = list(holders) + ([] if want.layers else [n for n, _ in targets])
-            for i, (node, w) in enumerate(targets):
-                peer = peers[i // 2] if not w.layers else holders[i % len(holders)]
-                deps = (replica_address(w.address_model, peer),) if peer not in holders else ()
+            # Fan out in chains that forward pieces as they arrive (reconciler/fanout.py): started
+            # together, so nothing waits for another copy to finish.
+            arrange = fanout.spread if want.layers else fanout.chains
+            sources = {s.receiver: s for s in arrange(holders, [n for n, _ in targets])}
+            for node, w in targets:
+                peer, chained = sources[node].peer, sources[node].chained
+                # A chained peer's fetch is a dependency (a targeted plan takes it along), which the
+                # executor starts together with this one (reconciler/execute.py streams_from).
+                deps = (replica_address(w.address_model, peer),) if chained else ()
+                via = " as it arrives there" if chained else ""
                 self.planned_bytes[node] = self.planned_bytes.get(node, 0) + w.bytes
                 details = ReplicateDetails(model=w.model.name, digest=w.digest, format=w.model.format, peer=peer,
                                            bytes=w.bytes)
@@ -170,10 +175,10 @@ class _Planner:
                 if bad is not None and bad.corrupt:  # held, but its agent found it corrupt: fetched again
                     self.changes.append(Change(Action.REPLACE, replica_address(w.address_model, node), node,
                                                f"{node}'s {what} is corrupt ({bad.corrupt}); fetch {w.bytes:,} "
-                                               f"bytes again from {peer}", deps, details))
+                                               f"bytes again from {peer}{via}", deps, details))
                     continue
                 self.changes.append(Change(Action.REPLICATE, replica_address(w.address_model, node), node,
-                                           f"{node} holds no {what}; fetch {w.bytes:,} bytes from {peer}", deps,
+                                           f"{node} holds no {what}; fetch {w.bytes:,} bytes from {peer}{via}", deps,
                                            details))
         for node, total in self.planned_bytes.items():
             # What the agent keeps in reserve its fetches never use: it is not free for the plan either.

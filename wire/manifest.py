@@ -15,6 +15,7 @@ import re
 import struct
 from typing import Any, BinaryIO
 
+from . import pieces
 from .layers import LayerRange
 
 MANIFEST_VERSION = 1
@@ -191,6 +192,9 @@ def validate(manifest: Any) -> dict[str, Any]:
             raise ManifestError(f"file {path!r} has no valid size")
         if not f.get("assembled") and not HEX_RE.match(str(f.get("sha256", ""))):
             raise ManifestError(f"file {path!r} has no valid sha256")
+        wrong = pieces.check_entry(f, HEX_RE)
+        if wrong is not None:
+            raise ManifestError(f"file {path!r}: {wrong}")
         for t in f.get("tensors", []):
             if not HEX_RE.match(str(t.get("sha256", ""))) or not (0 <= t.get("begin", -1) <= t.get("end", -1)):
                 raise ManifestError(f"tensor {str(t.get('name'))[:80]!r} of {path!r} is malformed")

@@ -109,6 +109,7 @@ class FetchJob(TypedDict):
     error: str | None
     code: NotRequired[str | None]  # a failure's stable code (disk_full, fetch_failed, ...)
     resumable: NotRequired[bool]  # failed keeping what arrived: asking again resumes
+    bytes_forwarded: NotRequired[int]  # served to peers from this fetch's files before they were whole
 
 
 class ServerExit(TypedDict):

@@ -1,0 +1,143 @@
+"""Forwarding while receiving: a file still being fetched is served to peers, but only its verified
+prefix, and a request for bytes not there yet waits for them, bounded by the upstream's progress.
+
+A receiver in a chain (reconciler/fanout.py) serves its downstream from its partial file; the bytes
+it serves have passed their piece's hash (wire/pieces.py), so a corrupt piece is never forwarded. A
+file without pieces (imported before them, or smaller than one piece) is forwarded once it is whole
+and verified. A wait ends when the file is complete, when its fetch fails (the connection is cut:
+the downstream keeps what it verified and resumes), or when the upstream receives nothing for
+STALL_S seconds (`piece_wait_timeout` before the answer's head, a cut connection after it)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Callable
+
+import trio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from .blobs import CHUNK, parse_range
+
+STALL_S = 30.0  # below the peer client's 60 s idle timeout, so the downstream hears why first
+POLL_S = 0.01
+
+
+class UpstreamEnded(Exception):
+    """The fetch feeding a forwarded file failed or stalled: the answer is cut short on purpose."""
+
+
+@dataclass(eq=False)
+class Partial:
+    """A file being fetched: where it is, how much of it is verified, whether its fetch still runs.
+    `verified` only grows; the writer publishes it after flushing those bytes to the file."""
+
+    path: Path
+    size: int
+    progress: Callable[[], int]  # the upstream job's bytes received: liveness for waits
+    node: str = ""
+    verified: int = 0
+    failed: str | None = None
+    served: int = 0  # bytes of this file served before it was whole
+    _fh: IO[bytes] | None = field(default=None, repr=False)
+
+    async def wait_for(self, pos: int, stall_s: float) -> None:
+        """Until byte `pos` is verified; UpstreamEnded if the fetch fails or stalls first."""
+        last, since = self.progress(), trio.current_time()
+        while self.verified <= pos:
+            if self.failed is not None:
+                raise UpstreamEnded(f"the fetch on {self.node!r} feeding it failed: {self.failed}")
+            now, seen = trio.current_time(), self.progress()
+            if seen != last:
+                last, since = seen, now
+            elif now - since > stall_s:
+                raise UpstreamEnded(f"node {self.node!r} has verified {self.verified:,} of {self.size:,} bytes of "
+                                    f"{self.path.name} and received nothing for {stall_s:.0f} s")
+            await trio.sleep(POLL_S)
+
+
+class Partials:
+    """The files this agent is fetching, by sha256, for the blob route."""
+
+    def __init__(self) -> None:
+        self._by_sha: dict[str, Partial] = {}
+
+    def add(self, sha: str, partial: Partial) -> Partial:
+        return self._by_sha.setdefault(sha, partial)
+
+    def get(self, sha: str) -> Partial | None:
+        return self._by_sha.get(sha)
+
+    def drop(self, sha: str, partial: Partial) -> None:
+        if self._by_sha.get(sha) is partial:
+            del self._by_sha[sha]
+
+
+class PartialBlobResponse(Response):
+    """A Range answer over a Partial: the head at once when the first byte is verified, the body as
+    the following pieces are."""
+
+    def __init__(self, partial: Partial, range_header: str | None, stall_s: float = STALL_S) -> None:
+        self.partial = partial
+        self.range_header = range_header
+        self.stall_s = stall_s
+        self.background = None
+
+    async def _error(self, send: Send, status: int, code: str, message: str, extra: list[tuple[bytes, bytes]]) -> None:
+        body = json.dumps({"error": {"code": code, "message": message}}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": extra + [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        p = self.partial
+        rng = parse_range(self.range_header, p.size)
+        if rng == "unsatisfiable":
+            await self._error(send, 416, "range_not_satisfiable", f"the range asked ({(self.range_header or '')[:64]})"
+                              f" is outside the blob's {p.size} bytes", [(b"content-range", f"bytes */{p.size}".encode())])
+            return
+        start, end = rng if isinstance(rng, tuple) else (0, p.size - 1)
+        length = end - start + 1 if p.size else 0
+        if length:
+            try:
+                await p.wait_for(start, self.stall_s)
+            except UpstreamEnded as exc:
+                await self._error(send, 504, "piece_wait_timeout", f"byte {start:,} is not verified here yet: {exc}", [])
+                return
+        headers = [(b"content-type", b"application/octet-stream"), (b"accept-ranges", b"bytes"),
+                   (b"content-length", str(length).encode())]
+        if isinstance(rng, tuple):
+            headers.append((b"content-range", f"bytes {start}-{end}/{p.size}".encode()))
+        await send({"type": "http.response.start", "status": 206 if isinstance(rng, tuple) else 200,
+                    "headers": headers})
+        if scope["method"] == "HEAD" or length == 0:
+            await send({"type": "http.response.body", "body": b""})
+            return
+        with await _open(p) as fh:
+            pos, left = start, length
+            while left:
+                await p.wait_for(pos, self.stall_s)  # UpstreamEnded cuts the answer: the peer resumes
+                n = min(CHUNK, left, p.verified - pos)
+                chunk = os.pread(fh.fileno(), n, pos)
+                if len(chunk) != n:
+                    raise UpstreamEnded(f"{p.path} shrank while being forwarded")
+                if p.verified < p.size:
+                    p.served += n
+                pos, left = pos + n, left - n
+                await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
+
+
+async def _open(p: Partial) -> IO[bytes]:
+    # The partial file is renamed into the store when complete and the writer then points `path`
+    # at the blob: between the two neither name may be there, for a moment. An open descriptor
+    # survives the rename.
+    for _ in range(100):
+        try:
+            return open(p.path, "rb")
+        except FileNotFoundError:
+            await trio.sleep(POLL_S)
+    raise UpstreamEnded(f"{p.path} is gone")

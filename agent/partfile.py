@@ -1,0 +1,140 @@
+"""A fetch's partial file on disk: opened for a resume, re-hashed, checked piece by piece as it is
+written (a bad piece cut off and named), fsynced and moved into the store; and a fetch's errors."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import IO, Any, Awaitable, Callable, Protocol
+
+import trio
+
+from wire import pieces
+
+from .forward import Partial
+from .store import CHUNK, fsync_dir
+
+Take = Callable[[bytes | bytearray | memoryview], None]
+# (path on the peer, first byte, last byte, take): the peer GET that feeds `take` (agent/peerhttp.py)
+Download = Callable[[str, int, int, Take], Awaitable[int]]
+
+
+class FetchError(Exception):
+    def __init__(self, message: str, code: str = "fetch_failed") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class LocalWrite(Exception):
+    """A write to our own disk failed inside the transfer; not an OSError, so that the peer code,
+    which reads every OSError as a broken connection, lets it through."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class Counters(Protocol):
+    """The job's byte counters a write advances (agent/fetch.py Job)."""
+
+    digest: str
+    peer: str
+    bytes_done: int
+    bytes_fetched: int
+
+
+async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Partial, download: Download,
+                       dest: Path, node: str) -> None:
+    """Fetch the file `f` (a manifest entry with a piece list) into `part`: each piece checked as it
+    lands, then published to `partial` (served to peers); the whole file checked at the end."""
+    size, piece_bytes, sha = f["size"], f["piece_bytes"], f["sha256"]
+    whole = hashlib.sha256()
+    fh, have = await trio.to_thread.run_sync(open_part, part, size)
+    with fh:
+        # What an earlier attempt left: whole pieces that still verify are kept; a torn or bad
+        # tail is cut off and fetched again (at most one piece for a clean break).
+        good = await trio.to_thread.run_sync(good_pieces, fh, f["pieces"], piece_bytes, size, whole) if have else 0
+        fh.truncate(good)
+        job.bytes_done += good
+        partial.verified = good
+        check = pieces.Checker(f["pieces"], piece_bytes, size, good)
+
+        def take(chunk: bytes | bytearray | memoryview) -> None:
+            try:
+                fh.write(chunk)
+            except OSError as exc:
+                raise LocalWrite(exc) from None
+            whole.update(chunk)
+            job.bytes_done += len(chunk)
+            job.bytes_fetched += len(chunk)
+            before = check.verified
+            check.update(chunk)
+            if check.verified != before:
+                fh.flush()  # what peers read must be in the file before they are told it is there
+                partial.verified = check.verified
+
+        if good < size:
+            fh.seek(good)
+            try:
+                await download(f"/v1/blobs/{sha}", good, size - 1, take)
+            except pieces.BadPieceError as exc:
+                b = exc.bad
+                raise FetchError(
+                    f"piece {b.index} of {f['path']} in {job.digest} (bytes {b.offset:,}-{b.offset + b.length - 1:,}) "
+                    f"from peer {job.peer} is corrupt on arrival at node {node!r}: expected sha256 {b.expected}, "
+                    f"received {b.actual}; the piece was discarded, the {b.offset:,} verified bytes before it are "
+                    "kept and the next fetch resumes there", "piece_corrupt") from None
+            finally:
+                job.bytes_done -= fh.tell() - check.verified
+                fh.truncate(check.verified)  # only verified pieces are kept: a resume starts on a boundary
+                fh.flush()
+        if whole.hexdigest() != sha:  # the pieces are pinned by the digest too: a bad manifest, or a bug
+            part.unlink(missing_ok=True)
+            raise FetchError(f"{f['path']} of {job.digest} from peer {job.peer}: every piece matched, but the "
+                             f"file hashes to sha256 {whole.hexdigest()}, not {sha}; the bytes were discarded")
+        await trio.to_thread.run_sync(install, fh, part, dest)
+    partial.path = dest
+    partial.verified = size
+
+
+def open_part(part: Path, total: int) -> tuple[IO[bytes], int]:
+    """The partial file, opened for writing, and how many of its bytes an earlier attempt left."""
+    have = part.stat().st_size if part.exists() else 0
+    if have > total:
+        have = 0
+    fh = open(part, "r+b" if part.exists() else "w+b")
+    fh.truncate(have)
+    return fh, have
+
+
+def rehash(fh: IO[bytes], pos: int, count: int, hashers: list[Any]) -> None:
+    fh.seek(pos)
+    while count:
+        chunk = fh.read(min(CHUNK, count))
+        if not chunk:
+            break
+        for x in hashers:
+            x.update(chunk)
+        count -= len(chunk)
+
+
+def good_pieces(fh: IO[bytes], hashes: list[str], piece_bytes: int, size: int, whole: Any) -> int:
+    """How many bytes at the file's start are whole pieces matching their hashes (fed to `whole`)."""
+    fh.seek(0)
+    good = 0
+    for expected in hashes:
+        data = fh.read(min(piece_bytes, size - good))
+        if len(data) < min(piece_bytes, size - good) or hashlib.sha256(data).hexdigest() != expected:
+            break
+        whole.update(data)
+        good += len(data)
+    return good
+
+
+def install(fh: IO[bytes], part: Path, dest: Path) -> None:
+    """fsync the verified file and move it into the store under its digest."""
+    fh.flush()
+    os.fsync(fh.fileno())
+    os.replace(part, dest)
+    fsync_dir(dest.parent)
