@@ -84,12 +84,16 @@ class AgentContext:
 
     def state(self) -> AgentState:
         now = self.clock()
+        inv = self.measure(self.home, self.gpu_probe, reserve=self.fetcher.reserve)
+        # A build that cannot use the GPUs present (or the reverse) is told at once, with what to install.
+        findings = environment.state_findings(len(inv["gpus"]), inv["gpu_note"], self.engines)
         return {
             "identity": {"id": self.identity.id, "name": self.identity.name,
                          "enrolled_at": self.identity.enrolled_at},
             "agent_version": self.version,
-            "variant": {"accelerator": environment.variant(self.engines), **self.engines},
-            "inventory": self.measure(self.home, self.gpu_probe, reserve=self.fetcher.reserve),
+            "variant": {"accelerator": environment.variant(self.engines), **self.engines,
+                        **({"findings": findings} if findings else {})},
+            "inventory": inv,
             "availability": status(self.windows, now),
             "observed_at": now.isoformat(),
             "weights": self.store.entries(),

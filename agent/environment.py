@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import tempfile
@@ -16,6 +17,7 @@ class Finding:
     level: Literal["ok", "warning", "error"]
     check: str
     message: str
+    install: str = ""  # a build mismatch: the package to install instead (reported in the agent's state)
 
 
 def user_name() -> str:
@@ -98,6 +100,13 @@ def engines() -> dict[str, Any]:
     }
 
 
+# What to install where the build does not match the machine's GPUs.
+INSTALL = {"torch": "a CUDA build of torch (pip install torch --index-url https://download.pytorch.org/whl/cu128)",
+           "torch_cpu": "the CPU build of torch (pip install torch --index-url https://download.pytorch.org/whl/cpu)",
+           "llama_cpp": 'llama-cpp-python built with CUDA (CMAKE_ARGS="-DGGML_CUDA=on" pip install '
+                        "--force-reinstall --no-cache-dir llama-cpp-python)"}
+
+
 def variant(eng: dict[str, Any]) -> str:
     torch = eng.get("torch")
     return torch["build"] if torch else "cpu"
@@ -116,12 +125,13 @@ def variant_findings(gpu_count: int, gpu_note: str, eng: dict[str, Any],
         out.append(Finding("error", "variant:torch",
                            f"{gpu_count} NVIDIA GPU(s) present but torch {torch['version']} is a "
                            f"{torch['build']} build: servers would run on the CPU. Install a CUDA build of "
-                           "torch matching the driver (e.g. torch==2.13.0+cu128 from PyTorch's CUDA wheel index)."))
+                           "torch matching the driver (e.g. torch==2.13.0+cu128 from PyTorch's CUDA wheel index).",
+                           INSTALL["torch"]))
     elif not gpu_count and torch["build"] == "cuda":
         out.append(Finding("warning", "variant:torch",
                            f"torch {torch['version']} is a CUDA build but no NVIDIA GPU is visible "
                            f"({gpu_note or 'NVML reports none'}): servers will run on the CPU. The CPU build "
-                           "(torch==X+cpu) is several GB smaller."))
+                           "(torch==X+cpu) is several GB smaller.", INSTALL["torch_cpu"]))
     else:
         out.append(Finding("ok", "variant:torch", f"torch {torch['version']} ({torch['build']} build) "
                                                   f"matches {gpu_count} GPU(s)"))
@@ -133,10 +143,43 @@ def variant_findings(gpu_count: int, gpu_note: str, eng: dict[str, Any],
         out.append(Finding("error", "variant:llama_cpp",
                            f"{gpu_count} NVIDIA GPU(s) present but llama-cpp-python {eng['llama_cpp']} was built "
                            "without GPU offload. Reinstall it with CMAKE_ARGS=\"-DGGML_CUDA=on\" "
-                           "pip install --force-reinstall --no-cache-dir llama-cpp-python"))
+                           "pip install --force-reinstall --no-cache-dir llama-cpp-python", INSTALL["llama_cpp"]))
     else:
         out.append(Finding("ok", "variant:llama_cpp", f"llama-cpp-python {eng['llama_cpp']}"))
     return out
+
+
+def llama_gpu_backend(root: Path | None = None) -> bool | None:
+    """Whether the installed llama.cpp library was built with a GPU backend, read from the shared
+    libraries its wheel ships (loading the library to ask it costs the agent's memory and a second):
+    None where llama-cpp-python is not installed or ships its libraries elsewhere."""
+    if root is None:
+        try:
+            files = metadata.files("llama-cpp-python") or []
+        except metadata.PackageNotFoundError:
+            return None
+        names = [Path(str(f)).name for f in files if "/lib/" in str(f) and ".so" in str(f)]
+    else:
+        names = [p.name for p in root.iterdir()]
+    if not any(n.startswith(("libllama", "libggml")) for n in names):
+        return None
+    return any(n.startswith(GPU_LIBS) for n in names)
+
+
+GPU_LIBS = ("libggml-cuda", "libggml-hip", "libggml-vulkan", "libggml-metal", "libggml-sycl")
+
+
+def state_findings(gpu_count: int, gpu_note: str, eng: dict[str, Any]) -> list[dict[str, str]]:
+    """The build mismatches the agent reports in its state (variant.findings), each with the
+    package to install: what the planner warns about and `fleet nodes --wide` shows, at once."""
+    llama = _llama_gpu_backend() if gpu_count and eng.get("llama_cpp") else None
+    return [{"check": f.check, "level": f.level, "message": f.message, "install": f.install}
+            for f in variant_findings(gpu_count, gpu_note, eng, llama) if f.install]
+
+
+@functools.cache
+def _llama_gpu_backend() -> bool | None:
+    return llama_gpu_backend()  # the installed library does not change while the agent runs
 
 
 def llama_gpu_offload() -> bool | None:

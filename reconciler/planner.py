@@ -17,6 +17,7 @@ from .diagnostics import Diagnostic, error, warning
 from . import fanout
 from .diffs import settings_diff
 from .model import ClusterSpec, Desired, ModelSpec
+from .node_notes import build_warnings
 from .observed import Observed, ObservedNode
 from .pipeline_plan import StageInput, group_of, plan_group
 from .plan_order import guard, order, select
@@ -46,7 +47,7 @@ def plan(desired: Desired, observed: Observed, *, targets: tuple[str, ...] = (),
     p.run()
     guarded = guard(p.changes, p.ok, desired.delete_last_copy)
     changes = order(guarded.changes)
-    diags = list(p.diags)
+    diags = list(p.diags) + build_warnings(p.ok)
     if targets:
         changes = select(changes, targets)
         diags.append(warning("targeted_plan", f"the plan is limited to {', '.join(targets)}",

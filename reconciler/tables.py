@@ -12,6 +12,7 @@ from typing import Any
 from . import config
 from .exitcodes import Exit
 from .model import NodeSpec
+from .node_notes import build_findings
 from .observed import ObservedNode, node_from_state
 from .outcome import Failure, print_json
 from .render import JSON_FORMAT_VERSION, console
@@ -71,7 +72,8 @@ def _columns(name: str, seen: ObservedNode | None, spec: NodeSpec | None, wide: 
     row = [gpus or "-", models or "-"]
     if wide:
         row += [f"{spec.address}:{spec.agent_port}" if spec else "-", seen.identity or "-",
-                seen.agent_version or "-", seen.accelerator or "-", ", ".join(seen.windows) or "always"]
+                seen.agent_version or "-", (seen.accelerator or "-") + (" (MISMATCH)" if build_findings(seen) else ""),
+                ", ".join(seen.windows) or "always"]
     return row
 
 
@@ -101,6 +103,8 @@ def cmd_nodes(args: argparse.Namespace, path: str) -> int:
         table.add_row(n["name"], n["status"], n["last_seen"] or "never", gpus, models, servers or "-", *wide)
         if n["error"]:
             failures.append(f"{n['name']}: {n['error']}")
+        for found in build_findings(seen) if seen is not None else []:
+            failures.append(f"{n['name']} ({found.get('check')}): {found['message']} Install {found.get('install')}.")
     for r in rows:
         if r["reason"] and r["state"] not in ("running",):
             failures.append(f"{r['id']} ({r['state']}): {r['reason']}")

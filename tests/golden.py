@@ -88,7 +88,8 @@ def snapshot(fleet: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
                                       "world_size": s.get("world_size", 1)}
         nodes[name] = {"state": {
             "identity": {"id": n.get("identity", "0" * 32), "name": name, "enrolled_at": "2026-01-01T00:00:00Z"},
-            "agent_version": "test", "variant": {"accelerator": "cpu"}, "observed_at": n.get("time", "2026-11-30T12:00:00+00:00"),
+            "agent_version": "test", "variant": {"accelerator": "cpu", **({"findings": n["findings"]} if "findings" in n
+                                                                         else {})}, "observed_at": n.get("time", "2026-11-30T12:00:00+00:00"),
             "inventory": {"cores": {"logical": 8, "usable": 8}, "memory": {"total_bytes": 1, "available_bytes": 1},
                           "disk": {"free_bytes": size(n.get("disk_free", "1T")), "total_bytes": size("2T"),
                                    "reserve_bytes": size(n.get("disk_reserve", 0))},

@@ -147,7 +147,9 @@ class ServerEntry(TypedDict):
 class AgentState(TypedDict):
     identity: IdentityJson
     agent_version: str
-    variant: dict[str, Any]  # "accelerator" (cpu, cuda or rocm) and each engine's version or build
+    # "accelerator" (cpu, cuda or rocm), each engine's version or build, and "findings": a list of
+    # {check, level, message, install} where a build does not match the GPUs (absent when none)
+    variant: dict[str, Any]
     inventory: Inventory
     availability: Availability
     observed_at: str  # the agent's clock, ISO 8601 with its UTC offset

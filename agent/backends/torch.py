@@ -17,6 +17,8 @@ def command(path: str, host: str, port: int, s: dict[str, Any], paths: ModelPath
         argv += ["--context-length", str(s["context_length"])]
     if s.get("threads"):
         argv += ["--threads", str(s["threads"])]
+    if isinstance(s.get("tensor_parallel"), int) and s["tensor_parallel"] > 0:
+        argv += ["--device", "cuda"]  # the plan gave it GPUs: a build that cannot use them fails, not runs slow
     spec = s.get("speculative")
     speculative = None
     if spec:

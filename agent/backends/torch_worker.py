@@ -52,7 +52,7 @@ class Served:
 
     def __init__(self, model_dir: str, threads: int | None = None, context_length: int | None = None,
                  draft: str | None = None, prompt_lookup: int | None = None, dtype: str = "auto",
-                 max_batch: int = 16, stream_buffer: int = STREAM_BUFFER) -> None:
+                 max_batch: int = 16, stream_buffer: int = STREAM_BUFFER, device: str = "auto") -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -60,7 +60,13 @@ class Served:
 
         if threads:
             torch.set_num_threads(threads)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise SystemExit(f"wrong engine build: this server was given GPUs (tensor_parallel), but torch "
+                             f"{torch.__version__} is {build} and sees no CUDA device. Install a CUDA build "
+                             "of torch matching the driver (pip install torch --index-url "
+                             "https://download.pytorch.org/whl/cu128), or set no tensor_parallel to serve on the CPU")
+        self.device = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
         # CPUs without bfloat16 arithmetic run a bf16 model several times slower than in float32.
         chosen = "float32" if dtype == "auto" and self.device.type == "cpu" else dtype
         kwargs: dict[str, Any] = {"local_files_only": True, "dtype": "auto" if chosen == "auto" else getattr(torch, chosen)}
@@ -255,12 +261,14 @@ def main() -> None:
     ap.add_argument("--prompt-lookup", type=int)
     ap.add_argument("--dtype", choices=DTYPES, default="auto",
                     help="weights' dtype in memory; auto: float32 on CPU, the checkpoint's own on a GPU")
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="auto: a GPU when torch sees one; cuda: fail at load when it does not")
     ap.add_argument("--max-batch", type=int, default=16, help="requests decoded together (more wait their turn)")
     ap.add_argument("--stream-buffer", type=int, default=STREAM_BUFFER,
                     help="tokens a slow reader may fall behind before its request pauses")
     args = ap.parse_args()
     served = Served(args.model, args.threads, args.context_length, args.draft, args.prompt_lookup, args.dtype,
-                    args.max_batch, args.stream_buffer)  # fails here, loudly
+                    args.max_batch, args.stream_buffer, args.device)  # fails here, loudly
     served.name = args.served_name or served.name
     print(json.dumps({"event": "loaded", "model": args.model, "device": str(served.device),
                       "dtype": str(served.model.dtype).removeprefix("torch."),

@@ -23,7 +23,7 @@ from ..model import ClusterSpec, Desired
 from .heartbeat import View
 from .metrics import ServeMetrics
 from . import upstream
-from .scrub import Scrubber
+from .scrub import Scrubber, scrub_reason
 
 
 log = logging.getLogger("fleet")
@@ -153,10 +153,9 @@ class Router:
         if server is None:
             return False, f"{node}: no server started"
         if server.state != "running":
-            reason = server.reason.splitlines()[0] if server.reason else ""
-            if reason:  # the agent's reason may name its store or home: scrubbed like an answer
-                scrub = self.scrubber(c, node)
-                reason = (scrub.feed(reason.encode()) + scrub.flush()).decode(errors="replace")
+            # The full reason (the engine's own words, the tail of its output), so a client learns
+            # why without a shell on the node; scrubbed of the node's paths and any other path.
+            reason = scrub_reason(server.reason.strip(), self.scrubber(c, node).paths, c.name) if server.reason else ""
             return False, f"{node}: server {server.state}" + (f" ({reason})" if reason else "")
         return True, ""
 

@@ -30,6 +30,7 @@ def _positions(buf: bytes, byte: int, start: int) -> list[int]:
 
 class Scrubber:
     def __init__(self, paths: list[str], replacement: str) -> None:
+        self.paths = paths
         self.regex, self.pats, self.firsts = _compile(frozenset(paths))  # compiled once per set of paths
         self.maxlen = len(self.pats[0]) if self.pats else 0
         self.repl = replacement.encode()
@@ -65,3 +66,16 @@ class Scrubber:
     def flush(self) -> bytes:
         rest, self.pending = self.pending, b""
         return self.regex.sub(self.repl, rest) if self.regex is not None else rest
+
+
+# An absolute path: a slash that starts no URL or fraction, then one or more path segments.
+_ANY_PATH = re.compile(rb"(?<![\w.:/~-])/(?:[\w.@+~-]+/)*[\w.@+~-]+/?")
+
+
+def scrub_reason(text: str, paths: list[str], replacement: str) -> str:
+    """A failure's full reason as a client may see it: the node's known paths (its store, its home)
+    replaced as in relayed answers, then every other absolute path (an engine's install directory
+    in a traceback, the Python that ran it) replaced by "<path>"; the words around them are kept."""
+    scrub = Scrubber(paths, replacement)
+    known = scrub.feed(text.encode()) + scrub.flush()
+    return _ANY_PATH.sub(b"<path>", known).decode(errors="replace")

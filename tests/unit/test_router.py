@@ -71,7 +71,7 @@ def test_no_running_member_is_503_with_every_reason() -> None:
     r = call(router, body={"model": "chat", "prompt": "x"})
     assert r.status_code == 503
     message = r.json()["error"]["message"]
-    assert "'chat'" in message and "a: node offline" in message and "b: server failed (exited with code 1)" in message
+    assert "'chat'" in message and "a: node offline" in message and "b: server failed (exited with code 1\nTraceback...)" in message
 
 
 def test_api_keys_are_required_when_configured() -> None:
