@@ -1,6 +1,8 @@
 """The batched engine: one thread runs every request of the worker through one decode loop.
 
-Newcomers are prefilled alone and join the running batch at the next step; each row keeps its
+Newcomers are prefilled together, each after the keys and values of its prompt's opening that
+the prefix cache holds (the common opening of prompts arriving together prefilled once), and join
+the running batch at the next step; each row keeps its
 own sampling, stop tokens and limits; a row whose reader has fallen behind is set aside (its KV
 cache kept) until the reader catches up, so a slow client stalls only its own request; a row
 whose client left is dropped at the next step. Speculative decoding (a draft model or prompt
@@ -22,8 +24,10 @@ from typing import Any, Callable
 import torch
 
 from .torch_layers import Rows, Stack
+from .torch_prefix import PREFIX_TOKENS, PrefixCache, common
 
 PREFILL_TOKENS = 4096  # prompt tokens prefilled in one forward at most (a long prompt still goes alone)
+SHARE_MIN = 16  # prompt tokens a separate forward for a common opening must save (its own pass over the weights)
 Notify = Callable[[Callable[[], None]], None]  # run a callback on the reader's event loop, from any thread
 
 
@@ -127,9 +131,11 @@ class Engine:
     calls from other threads."""
 
     def __init__(self, stack: Stack, eos: set[int], max_batch: int = 16,
-                 solo: Callable[[Job, Callable[[int], bool]], None] | None = None, threads: int | None = None) -> None:
+                 solo: Callable[[Job, Callable[[int], bool]], None] | None = None, threads: int | None = None,
+                 prefix_tokens: int = PREFIX_TOKENS) -> None:
         self.stack, self.eos, self.max_batch, self.solo, self.threads = stack, frozenset(eos), max_batch, solo, threads
         self.prefill_tokens = PREFILL_TOKENS
+        self.cache = PrefixCache(prefix_tokens) if prefix_tokens > 0 else None
         self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._kick = threading.Event()
         self._waiting: deque[Job] = deque()
@@ -141,6 +147,8 @@ class Engine:
         self.set_aside = 0
         self.prefill_s = 0.0  # seconds in prefill and in decode steps: where the engine's time goes
         self.decode_s = 0.0
+        self.prefills = 0  # prefill forwards, and the prompt tokens they computed (the cache's not counted)
+        self.computed = 0
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -152,7 +160,10 @@ class Engine:
     def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "widest_step": self.widest, "set_aside": self.set_aside,
                 "rows": len(self._active) + len(self._aside), "waiting": len(self._waiting) + self._queue.qsize(),
-                "prefill_s": round(self.prefill_s, 3), "decode_s": round(self.decode_s, 3)}
+                "prefill_s": round(self.prefill_s, 3), "decode_s": round(self.decode_s, 3), "prefills": self.prefills,
+                "prefill_tokens": self.computed, "prefix_hits": self.cache.hits if self.cache else 0,
+                "prefix_hit_tokens": self.cache.hit_tokens if self.cache else 0,
+                "prefix_cached_tokens": self.cache.tokens if self.cache else 0}
 
     def submit(self, job: Job) -> None:
         self._queue.put(job)
@@ -217,12 +228,42 @@ class Engine:
         if not jobs:
             return
         t0 = time.perf_counter()
+        prompts = [j.prompt for j in jobs]
         with torch.inference_mode():
-            rows, logits = self.stack.prefill_many([j.prompt for j in jobs])
+            rows, logits = self._prefill(prompts)
         self.prefill_s += time.perf_counter() - t0
         for i, (job, tok) in enumerate(zip(jobs, self._pick(logits, jobs))):
             if not self._emit(job, tok):
                 self._aside[job] = rows if len(jobs) == 1 else rows.take([i])
+        if self.cache is not None:  # after the first tokens went out: they need not wait for the copies
+            for i, prompt in enumerate(prompts):
+                self.cache.keep(prompt, rows, i)
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[Rows, torch.Tensor]:
+        """One forward over the prompts, each after what the cache holds of it. Prompts arriving
+        together that begin alike have their common opening prefilled once first, into the cache,
+        so that each then computes only what is its own (8 chat requests: the system prompt once)."""
+        cache, stack = self.cache, self.stack
+        if cache is None:
+            self.prefills += 1
+            self.computed += sum(map(len, prompts))
+            return stack.prefill_many(prompts)
+        shared = min([min(map(len, prompts)) - 1, *(common(prompts[0], p) for p in prompts[1:])])
+        if len(prompts) > 1 and shared > 0:
+            hit = cache.find(prompts[0], shared)
+            done = hit.length if hit is not None else 0
+            if (len(prompts) - 1) * (shared - done) >= SHARE_MIN:
+                opening = prompts[0][:shared]
+                rows, _ = stack.fill(stack.embed_padded([opening[done:]]), [shared - done], [hit])
+                cache.keep(opening, rows, 0)
+                self.prefills += 1
+                self.computed += shared - done
+        hits = [cache.find(p, len(p) - 1) for p in prompts]
+        for h in hits:
+            cache.count(h)
+        self.prefills += 1
+        self.computed += sum(len(p) - (h.length if h is not None else 0) for p, h in zip(prompts, hits))
+        return stack.prefill_many(prompts, hits)
 
     def _regroup(self) -> None:
         """Rows whose reader is full go aside; rows set aside (or new) whose reader has room join;

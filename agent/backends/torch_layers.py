@@ -9,9 +9,12 @@ positions keep each row's arithmetic what it would be alone.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from .torch_prefix import Hit
 
 HEADROOM = 64  # spare columns per (re)allocation, so that decoding rarely reallocates
 
@@ -162,41 +165,61 @@ class Stack:
         logits: torch.Tensor = self.model.lm_head(self.inner.norm(hidden[:, -1:, :]))
         return logits[:, -1, :].float()
 
+    def embed_padded(self, prompts: list[list[int]]) -> torch.Tensor:
+        """The prompts left-padded to the longest, embedded: [prompts, longest, hidden]."""
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long, device=self.device)
+        return self.embed(ids)
+
+    def fill(self, hidden: torch.Tensor, lengths: list[int],
+             known: Sequence[Hit | None] | None = None) -> tuple[Rows, torch.Tensor]:
+        """New rows, one per prompt, through this stack's layers: `hidden` [rows, longest, hidden]
+        holds row r's `lengths[r]` new tokens, left-padded, and `known[r]` the keys and values of
+        the tokens before them (copied in, not computed again). Row r's known tokens end at column
+        K (the longest known), its new ones at K + longest; the columns between are padding that
+        the mask hides, and the positions keep each row's arithmetic what it would be alone."""
+        device = self.device
+        n, width = len(lengths), max(lengths)
+        hits = list(known) if known is not None else [None] * n
+        before = [h.length if h is not None else 0 for h in hits]
+        start = max(before)
+        total = start + width
+        rows = self.rows(n, total + HEADROOM)
+        positions = torch.zeros(n, width, dtype=torch.long, device=device)
+        for r, (hit, k, length) in enumerate(zip(hits, before, lengths)):
+            if hit is not None:
+                for new, old in zip(rows.keys + rows.values, hit.prefix.keys + hit.prefix.values):
+                    new[r, :, start - k:start] = old[0, :, :k]
+                rows.mask[r, start - k:start] = True
+            positions[r, width - length:] = torch.arange(k, k + length, device=device)
+            rows.mask[r, total - length:total] = True
+        mask: torch.Tensor | None = None  # one prompt from its start: plain causal attention
+        if n > 1 or start:
+            causal = torch.ones(width, total, dtype=torch.bool, device=device).tril(diagonal=start)
+            # A padding query attends to itself only: a row with nothing to attend to would be NaN.
+            own = torch.zeros(width, total, dtype=torch.bool, device=device)
+            own[:, start:] = torch.eye(width, dtype=torch.bool, device=device)
+            mask = (causal & rows.mask[:, None, None, :total]) | own
+        rows.length = start  # the new keys and values go after the known ones
+        out = self.run(hidden, rows, positions, mask)
+        rows.length = total
+        rows.positions = torch.tensor([k + length for k, length in zip(before, lengths)], dtype=torch.long,
+                                      device=device)
+        return rows, out
+
     # The whole model in one place (first == 0 and last == n_layers): what the engine calls.
 
-    def prefill(self, ids: list[int]) -> tuple[Rows, torch.Tensor]:
-        """One new row holding the prompt `ids` (no padding, plain causal attention), and the logits
-        of its next token."""
-        rows = self.rows(1, len(ids) + HEADROOM)
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        positions = torch.arange(len(ids), device=self.device).unsqueeze(0)
-        rows.mask[:, :len(ids)] = True
-        hidden = self.run(self.embed(x), rows, positions, None)
-        rows.length = len(ids)
-        rows.positions += len(ids)
-        return rows, self.head(hidden)
-
-    def prefill_many(self, prompts: list[list[int]]) -> tuple[Rows, torch.Tensor]:
+    def prefill_many(self, prompts: list[list[int]],
+                     known: Sequence[Hit | None] | None = None) -> tuple[Rows, torch.Tensor]:
         """Several new rows in one forward, left-padded to the longest prompt: one pass over the
         weights instead of one per prompt (prefill is compute-bound on a CPU, so this is what
-        keeps the first token of a burst of requests close to that of one)."""
-        if len(prompts) == 1:
-            return self.prefill(prompts[0])
-        width = max(len(p) for p in prompts)
-        rows = self.rows(len(prompts), width + HEADROOM)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        positions = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        for r, p in enumerate(prompts):
-            pad = width - len(p)
-            ids[r, pad:] = torch.tensor(p, dtype=torch.long, device=self.device)
-            positions[r, pad:] = torch.arange(len(p), device=self.device)
-            rows.mask[r, pad:width] = True
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        # A padding query attends to itself only: a row with nothing to attend to would be NaN.
-        mask = (causal & rows.mask[:, None, None, :width]) | torch.eye(width, dtype=torch.bool, device=self.device)
-        hidden = self.run(self.embed(ids), rows, positions, mask)
-        rows.length = width
-        rows.positions = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
+        keeps the first token of a burst of requests close to that of one); each prompt's tokens
+        that `known` covers are not computed again. Also the logits of each row's next token."""
+        hits = list(known) if known is not None else [None] * len(prompts)
+        tails = [p[h.length:] if h is not None else p for p, h in zip(prompts, hits)]
+        rows, hidden = self.fill(self.embed_padded(tails), [len(t) for t in tails], hits)
         return rows, self.head(hidden)
 
     def decode(self, rows: Rows, tokens: list[int]) -> torch.Tensor:

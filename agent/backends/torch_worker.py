@@ -6,7 +6,7 @@ context length and no thread count, and will not serve a layer slice; this worke
 process per server, with the same wire format (SSE chunks ending in `data: [DONE]`).
 
     python -m agent.backends.torch_worker --model DIR --host H --port P [--threads N]
-        [--context-length N] [--draft DIR] [--prompt-lookup N] [--dtype D] [--max-batch N]
+        [--context-length N] [--draft DIR] [--prompt-lookup N] [--dtype D] [--max-batch N] [--prefix-cache N]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from starlette.routing import Route
 from ..auth import worker_guard
 from . import openai_wire as wire
 from .torch_engine import End, Engine, Job, Outbox, Params, speculative
+from .torch_prefix import PREFIX_TOKENS
 from .torch_text import Text
 
 STREAM_BUFFER = 64  # tokens a reader may fall behind before its request waits for it
@@ -52,7 +53,8 @@ class Served:
 
     def __init__(self, model_dir: str, threads: int | None = None, context_length: int | None = None,
                  draft: str | None = None, prompt_lookup: int | None = None, dtype: str = "auto",
-                 max_batch: int = 16, stream_buffer: int = STREAM_BUFFER, device: str = "auto") -> None:
+                 max_batch: int = 16, stream_buffer: int = STREAM_BUFFER, device: str = "auto",
+                 prefix_cache: int = PREFIX_TOKENS) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,7 +101,7 @@ class Served:
                 draft_model = draft_model.to(self.device).eval()
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=None)
             solo = speculative(self.model, self.device, pad, draft_model, None if draft else prompt_lookup)
-        engine = Engine(stack, eos, max_batch=max_batch, solo=solo, threads=threads)
+        engine = Engine(stack, eos, max_batch=max_batch, solo=solo, threads=threads, prefix_tokens=prefix_cache)
         engine.start()
         self.engine = engine
 
@@ -264,11 +266,13 @@ def main() -> None:
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="auto: a GPU when torch sees one; cuda: fail at load when it does not")
     ap.add_argument("--max-batch", type=int, default=16, help="requests decoded together (more wait their turn)")
+    ap.add_argument("--prefix-cache", type=int, default=PREFIX_TOKENS,
+                    help="prompt tokens whose keys and values are kept for prompts that begin alike (0: none)")
     ap.add_argument("--stream-buffer", type=int, default=STREAM_BUFFER,
                     help="tokens a slow reader may fall behind before its request pauses")
     args = ap.parse_args()
     served = Served(args.model, args.threads, args.context_length, args.draft, args.prompt_lookup, args.dtype,
-                    args.max_batch, args.stream_buffer, args.device)  # fails here, loudly
+                    args.max_batch, args.stream_buffer, args.device, args.prefix_cache)  # fails here, loudly
     served.name = args.served_name or served.name
     print(json.dumps({"event": "loaded", "model": args.model, "device": str(served.device),
                       "dtype": str(served.model.dtype).removeprefix("torch."),

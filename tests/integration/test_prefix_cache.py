@@ -1,0 +1,134 @@
+"""The PyTorch engine's prefix cache: a prompt's opening computed once serves later prompts that
+begin alike with the same logits and the same greedy answers as computing it again; the cache
+stays within its token cap. In process on the tiny model, and on real workers (e2e) against a
+worker without a cache, tiny and SmolLM2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from agent.backends.torch_layers import Stack
+from agent.backends.torch_prefix import PrefixCache, common
+from tests.integration.test_torch_worker import Worker, completion, together
+from tests.models import tiny_safetensors
+
+OPENING = "The fleet keeps every model pinned by digest, replicated from a peer, and served by a cluster. "
+ENDINGS = ["Hello", "A cluster serves one model", "Weights", "What is the capital of France?", "x y z", "The end"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_safetensors(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir: Path) -> tuple[Stack, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model: Any = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32)
+    return Stack(model.eval()), AutoTokenizer.from_pretrained(str(tiny_dir))
+
+
+def greedy(stack: Stack, prompts: list[list[int]], cache: PrefixCache | None, steps: int) -> tuple[torch.Tensor, list[list[int]]]:
+    hits = [cache.find(p, len(p) - 1) for p in prompts] if cache is not None else None
+    with torch.inference_mode():
+        rows, logits = stack.prefill_many(prompts, hits)
+        first = logits
+        out = [[t] for t in logits.argmax(-1).tolist()]
+        for _ in range(steps):
+            logits = stack.decode(rows, [o[-1] for o in out])
+            for o, t in zip(out, logits.argmax(-1).tolist()):
+                o.append(t)
+    return first, out
+
+
+def test_cached_openings_give_the_same_logits_and_answers(stack: tuple[Stack, Any]) -> None:
+    model, tok = stack
+    prompts = [list(tok(OPENING + e)["input_ids"]) for e in ENDINGS]
+    ref_logits, ref = greedy(model, prompts, None, 12)
+    cache = PrefixCache(4096)
+    with torch.inference_mode():
+        rows, _ = model.prefill_many([prompts[0]])
+    cache.keep(prompts[0], rows, 0)
+    hits = [cache.find(p, len(p) - 1) for p in prompts]
+    shared = min(common(prompts[0], p) for p in prompts[1:])
+    assert [h.length if h else 0 for h in hits] == [len(prompts[0]) - 1] + [shared] * (len(prompts) - 1)
+    assert shared >= 10, "the prompts should share their opening"
+    logits, out = greedy(model, prompts, cache, 12)
+    assert out == ref
+    assert torch.allclose(logits, ref_logits, atol=1e-4)
+    alone = [greedy(model, [p], cache, 12)[1][0] for p in prompts]  # one row after its known opening
+    assert alone == ref
+
+
+def test_the_cache_keeps_within_its_cap(stack: tuple[Stack, Any]) -> None:
+    model, tok = stack
+    prompts = [list(tok(OPENING + e)["input_ids"]) for e in ENDINGS]
+    cap = 2 * max(map(len, prompts))
+    cache = PrefixCache(cap)
+    with torch.inference_mode():
+        rows, _ = model.prefill_many(prompts)
+    for i, p in enumerate(prompts):
+        cache.keep(p, rows, i)
+        assert cache.tokens <= cap
+    assert len(cache) == 2  # the two most recent
+    assert cache.find(prompts[-1], len(prompts[-1]) - 1) is not None
+    before = cache.tokens
+    with torch.inference_mode():
+        short, _ = model.prefill_many([prompts[-1][:20]])
+    cache.keep(prompts[-1][:20], short, 0)  # what an entry begins with adds nothing
+    assert cache.tokens == before and len(cache) == 2
+    hit = cache.find(prompts[0] + [1, 2], 5)
+    assert hit is not None and hit.length == 5  # never past the limit the caller sets
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir: Path) -> Iterator[tuple[Worker, Worker]]:
+    """Two tiny workers: with the prefix cache (the default), and without."""
+    cached, plain = Worker(tiny_dir, "--max-batch", "8"), Worker(tiny_dir, "--prefix-cache", "0")
+    yield cached, plain
+    cached.stop()
+    plain.stop()
+
+
+@pytest.mark.e2e
+class TestWorkers:
+    """Real workers: answers with the cache equal answers without it, and the hits are counted."""
+
+    def test_tiny_same_answers_hits_counted(self, pair: tuple[Worker, Worker]) -> None:
+        cached, plain = pair
+        prompts = [OPENING + e for e in ENDINGS]
+        reference = [completion(plain, p, 20, temperature=0) for p in prompts]
+        assert plain.stats()["prefix_hits"] == 0
+        assert together([lambda p=p: completion(cached, p, 20, temperature=0) for p in prompts]) == reference
+        assert [completion(cached, p, 20, temperature=0) for p in prompts] == reference
+        stats = cached.stats()
+        assert stats["prefix_hits"] >= len(prompts) + len(prompts) - 1, stats
+        assert 0 < stats["prefix_cached_tokens"] <= 2048
+
+    def test_smollm2_chat_burst(self, smollm2_f32: Path) -> None:
+        questions = ["What is the capital of France?", "Write a haiku about the sea.", "What is 2 + 2?",
+                     "Name a primary color.", "Who wrote Hamlet?", "What is water made of?"]
+
+        def ask(w: Worker, q: str) -> str:
+            r = w.client().chat.completions.create(model="m", temperature=0, max_tokens=16,
+                                                   messages=[{"role": "user", "content": q}])
+            return r.choices[0].message.content or ""
+        plain = Worker(smollm2_f32, "--prefix-cache", "0")
+        try:
+            reference = [ask(plain, q) for q in questions]
+        finally:
+            plain.stop()
+        cached = Worker(smollm2_f32)
+        try:
+            assert together([lambda q=q: ask(cached, q) for q in questions]) == reference
+            stats = cached.stats()
+        finally:
+            cached.stop()
+        # The system prompt computed once (or twice, if the first request came alone), not six times.
+        assert stats["prefix_hits"] >= len(questions) - 1 and stats["prefix_hit_tokens"] >= 20 * (len(questions) - 1)
+        assert "Paris" in reference[0]
