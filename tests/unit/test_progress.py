@@ -45,3 +45,19 @@ def test_a_terminal_shows_the_bytes_of_each_replicate() -> None:
     last = shown.rsplit("replicate replica.tiny@a (done)", 1)
     assert len(last) == 2 and "4.0/4.0 MB" in last[1].split("\n")[0]
     assert "  … start server.chat@a" in shown and "↻ replicate replica.tiny@a: retry 1" in shown
+
+
+def test_a_terminal_adds_every_fetch_up_in_one_row_with_the_aggregate_rate() -> None:
+    other = Change(Action.REPLACE, "replica.tiny@b", "b", "b's replica of tiny is corrupt", (),
+                   {**REPLICATE.details, "peer": "a"})  # a corrupt copy fetched again is a fetch too
+    out = io.StringIO()
+    with ApplyProgress(Console(file=out, force_terminal=True, width=120, color_system=None)) as progress:
+        progress("started", {"change": REPLICATE})
+        progress("started", {"change": other})
+        progress("progress", {"change": REPLICATE, "done": 1_000_000, "total": 4_000_000})
+        progress("progress", {"change": other, "done": 2_000_000, "total": 4_000_000})
+        progress("finished", {"change": REPLICATE, "result": Result("replica.tiny@a", "replicate", "done", "", 1.0)})
+    rows = [line for line in out.getvalue().splitlines() if "all fetches" in line]
+    assert any("3.0/8.0 MB" in row for row in rows), rows  # both fetches' bytes so far
+    assert "6.0/8.0 MB" in rows[-1] and "/s" in rows[-1], rows[-1]  # one done (4) + 2 of the other, with a rate
+    assert "replace replica.tiny@b" in out.getvalue() and "… replace" not in out.getvalue()
