@@ -99,6 +99,7 @@ class AgentContext:
             "weights": self.store.entries(),
             "fetches": [j.to_json() for j in self.fetcher.active()],
             "servers": [s.to_json() for s in self.workers.servers.values()],
+            "link_rates": self.fetcher.rates.to_json(),
         }
 
 

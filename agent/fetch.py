@@ -28,6 +28,7 @@ from wire.state import FetchJob
 from .forward import Partial, Partials
 from .partfile import FetchError, LocalWrite, Take, install, open_part, rehash, write_pieced
 from .peerhttp import PeerError, get, get_bytes
+from .rates import Rates
 from .store import Store
 
 DEFAULT_RESERVE = 1 << 30  # kept free on the store's disk unless --disk-reserve says otherwise ...
@@ -106,6 +107,8 @@ class Fetcher:
         self._locks: dict[str, trio.Lock] = {}
         self._claims: dict[str, int] = {}  # bytes each running job has still to write
         self.partials = Partials()  # files being fetched, served to peers as they are verified
+        # Each fetch's rate per peer, kept across restarts: the planner estimates replications with them.
+        self.rates = Rates(store.root / "link-rates.json" if store.root.is_dir() else None)
 
     def request(self, digest: str, peer: str, name: str = "", source_digest: str | None = None,
                 layers: LayerRange | None = None) -> Job:
@@ -130,6 +133,7 @@ class Fetcher:
         try:
             await self._fetch(job)
             job.state = "present"
+            self.rates.record(job.peer, job.bytes_fetched, time.monotonic() - job.started)
         except (FetchError, PeerError, mf.ManifestError) as exc:
             job.state, job.error = "failed", str(exc)
             job.code = exc.code if isinstance(exc, FetchError) else "fetch_failed"

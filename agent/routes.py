@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 from wire import manifest as mf
 from wire.layers import LayerRange, LayerRangeError
+from wire.windows import status
 
 from .blobs import BlobResponse
 from .forward import PartialBlobResponse
@@ -33,6 +34,18 @@ ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 def _corrupt(ctx: AgentContext, digest: str) -> bool:
     integrity = ctx.store.entry(digest).get("integrity")
     return integrity is not None and integrity["state"] == "corrupt"
+
+
+def outside_window(ctx: AgentContext) -> JSONResponse | None:
+    """New work (a fetch, a start) refused outside the node's availability window, whoever asks: the
+    planner refuses it too, but a plan made inside a window can be applied after it closed."""
+    now = ctx.clock()
+    avail = status(ctx.windows, now)
+    if avail["inside"]:
+        return None
+    return error_response(409, "outside_availability_window",
+                          f"{ctx.identity.name} is outside its availability window ({', '.join(avail['windows'])}) "
+                          f"at its local time {now:%H:%M}; no new work starts before {avail['next_starts_at']}")
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
@@ -95,6 +108,8 @@ class Weights:
             return body
         if self.ctx.store.is_present(digest) and not _corrupt(self.ctx, digest):
             return JSONResponse({"digest": digest, "state": "present"})  # a corrupt copy is fetched again
+        if (refused := outside_window(self.ctx)) is not None:
+            return refused
         peer = body.get("peer")
         if not isinstance(peer, str) or not PEER_URL.match(peer):
             return error_response(400, "bad_peer", "peer must be an agent URL such as http://10.0.0.2:7070")
@@ -169,6 +184,8 @@ class Servers:
             return body
         if isinstance(body.get("model"), str):
             mf.check_digest(body["model"])
+        if (refused := outside_window(self.ctx)) is not None:
+            return refused
         server = self.ctx.workers.start(body)
         # A few turns of the scheduler for its supervision's first steps: a server that answers its
         # health check at once (a simulated one) is then running in this answer, and fleet apply

@@ -17,7 +17,7 @@ from .diagnostics import Diagnostic, error, warning
 from . import fanout
 from .diffs import settings_diff
 from .model import ClusterSpec, Desired, ModelSpec
-from .node_notes import build_warnings
+from .node_notes import build_warnings, estimate_replications
 from .observed import Observed, ObservedNode
 from .pipeline_plan import StageInput, group_of, plan_group
 from .plan_order import guard, order, select
@@ -45,7 +45,8 @@ def plan(desired: Desired, observed: Observed, *, targets: tuple[str, ...] = (),
          config_digest: str = "", config_file: str = "") -> Plan:
     p = _Planner(desired, observed)
     p.run()
-    guarded = guard(p.changes, p.ok, desired.delete_last_copy)
+    estimated, too_long = estimate_replications(p.changes, desired.nodes, p.ok)  # node_notes.py
+    guarded = guard(estimated, p.ok, desired.delete_last_copy)
     changes = order(guarded.changes)
     diags = list(p.diags) + build_warnings(p.ok)
     if targets:
@@ -54,6 +55,7 @@ def plan(desired: Desired, observed: Observed, *, targets: tuple[str, ...] = (),
                              "Other changes the fleet needs are left out: use -target only for "
                              "exceptional situations, then run a full plan."))
     diags += guarded.said_for(changes)
+    diags += [d for d in too_long if d.address in {c.address for c in changes}]
     fingerprints = {n: o.fingerprint for n, o in observed.nodes.items() if o.ok}
     return Plan(tuple(changes), tuple(diags), config_digest, config_file, fingerprints, targets)
 

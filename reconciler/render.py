@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .diagnostics import Diagnostic, Severity
+from .node_notes import receive_lines
 
 if TYPE_CHECKING:
     from .execute import Result
@@ -131,6 +132,10 @@ def print_plan(out: Console, plan: Any) -> None:
             drift = "  [magenta]\\[drift][/]" if c.drift else ""
             lines.append(f"  [{colour}]{sym} {c.action.value}[/] [bold]{escape(c.address)}[/]{after}{drift}")
             lines.append(f"      {escape(c.reason)}")
+        receiving = receive_lines(plan.changes)
+        if receiving:  # bytes per node and how long, at the rates the receivers measured
+            lines += ["", "Replication, at the rates each node measured on its recent fetches:"]
+            lines += [f"  {escape(line)}" for line in receiving]
         print_lines(out, lines + ["", f"[bold]{escape(plan.summary())}[/]"])
 
 

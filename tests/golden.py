@@ -96,7 +96,10 @@ def snapshot(fleet: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
                           "gpus": [{"name": "GPU", "uuid": f"GPU-{i}", "memory_total_bytes": size(g),
                                     "memory_free_bytes": size(g)} for i, g in enumerate(n.get("gpus", []))],
                           "simulated": True},
-            "availability": {"inside": n.get("inside_window", True), "windows": n.get("windows", [])},
+            "availability": {"inside": n.get("inside_window", True), "windows": n.get("windows", []),
+                             "current_ends_at": n.get("window_ends_at")},
+            # {peer: HOST:PORT, bytes_per_s, samples}: what the agent measured on its recent fetches
+            **({"link_rates": n["link_rates"]} if "link_rates" in n else {}),
             "weights": weights, "fetches": [{"digest": models[f]["digest"]} for f in n.get("fetching", [])],
             "servers": servers}}
     return {"format_version": "1.0", "nodes": nodes, "manifests": manifests}

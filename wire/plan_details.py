@@ -18,6 +18,17 @@ class ReplicateDetails(TypedDict):
     bytes: int
     layers: NotRequired[str]  # LayerRange as written ("0-39", or "7" for one layer)
     source_digest: NotRequired[str]  # the full model a slice is cut from
+    estimate: NotRequired[ReplicationEstimate]  # how long, at the rate the receiver measured from the peer
+
+
+class ReplicationEstimate(TypedDict):
+    """A fetch's estimate (reconciler/node_notes.py): seconds None is "no measurement yet"."""
+
+    node_bytes: int  # every byte this plan fetches onto the receiving node
+    seconds: float | None
+    bytes_per_s: int | None  # the receiver's recent fetches from this peer, bytes over seconds
+    samples: int  # how many fetches that rate comes from
+    ends_at: str | None  # the node's clock when it is observed plus the estimate (ISO 8601)
 
 
 class Speculative(TypedDict):

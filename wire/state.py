@@ -112,6 +112,16 @@ class FetchJob(TypedDict):
     bytes_forwarded: NotRequired[int]  # served to peers from this fetch's files before they were whole
 
 
+class LinkRate(TypedDict):
+    """What the agent measured on its recent fetches from one peer (agent/rates.py)."""
+
+    peer: str  # "HOST:PORT", the peer agent's address as fleet.yaml gives it
+    bytes_per_s: int  # the recent fetches' bytes over their seconds, ask to commit
+    samples: int  # how many fetches (the last few, bounded)
+    last_bytes_per_s: int
+    measured_at: str  # ISO 8601, UTC: when the last of them ended
+
+
 class ServerExit(TypedDict):
     code: int | None
     signal: int | None
@@ -156,6 +166,7 @@ class AgentState(TypedDict):
     weights: list[WeightsEntry]
     fetches: list[FetchJob]
     servers: list[ServerEntry]
+    link_rates: NotRequired[list[LinkRate]]  # per peer, from the agent's own fetches (absent from older agents)
     # Added by GET /v1/state (not by AgentContext.state): the state's name, also its ETag; asked
     # with If-None-Match: "GENERATION", an agent whose state is unchanged answers 304.
     generation: NotRequired[str]
