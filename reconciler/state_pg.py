@@ -26,7 +26,8 @@ log = logging.getLogger("fleet")
 KEY = 0x666C6565
 APPLY, LEAD, MIGRATE = 1, 2, 3
 LOCK_WAIT_MS = 500  # how long an apply waits for the lock before it is refused
-APP_NAME = "fleet-apply:"  # the session holding the apply lock says its lock id in application_name
+APP_NAME = "fleet-apply:"
+SERVE_NAME = "fleet-serve:"  # and each `fleet serve`'s main session says its name  # the session holding the apply lock says its lock id in application_name
 CONNECT_TIMEOUT_S = 10
 # The server ends a session whose client host vanished (power cut, partition) after about 25 s,
 # and with it the locks it held: the default would wait two hours.
@@ -147,6 +148,16 @@ class PgSql:
             f"WHERE l.locktype = 'advisory' AND l.classid = {KEY} AND l.objid = {APPLY} AND l.objsubid = 2 "
             "AND l.granted AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
             "AND a.application_name = ?)", (APP_NAME + lock_id,)).fetchone()[0]
+
+
+    def name_serve(self, name: str) -> None:
+        """This session is a `fleet serve`'s, known to the others by `name` while it lasts."""
+        self.execute("SELECT set_config('application_name', ?, false)", (SERVE_NAME + name,))
+
+    def other_serves(self) -> list[str]:
+        return [r[0][len(SERVE_NAME):] for r in self.execute(
+            "SELECT application_name FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name LIKE ? AND pid <> pg_backend_pid() ORDER BY 1", (SERVE_NAME + "%",))]
 
 
 class SharedStore:

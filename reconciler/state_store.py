@@ -343,6 +343,8 @@ class DrainRows:
 
     def remove(self, server_id: str) -> None:
         self.sql.execute("DELETE FROM drains WHERE server_id=?", (server_id,))
+        if self.sql.dialect != "sqlite":  # only a shared store has other serves' answers
+            self.sql.execute("DELETE FROM drain_answers WHERE server_id=?", (server_id,))
         self.sql.notify(self.CHANNEL)
 
     def changed(self) -> bool:
@@ -359,6 +361,26 @@ class DrainRows:
         if lock is None or self.sql.holder_gone(lock[0], lock[1], lock[2]):
             return []
         return [d for d in rows if d.lock_id == lock[0]]
+
+    def answer_for(self, serve: str, drain: Drain, in_flight: int, when: str) -> None:
+        """A following `fleet serve`'s requests in flight on a drained member (it routes none there),
+        for the drain of this apply (an answer to an earlier drain of the member counts for nothing)."""
+        self.sql.execute("INSERT INTO drain_answers (server_id, serve, lock_id, in_flight, updated) "
+                         "VALUES (?,?,?,?,?) ON CONFLICT(server_id, serve) DO UPDATE SET lock_id=excluded.lock_id, "
+                         "in_flight=excluded.in_flight, updated=excluded.updated",
+                         (drain.server_id, serve, drain.lock_id, in_flight, when))
+
+    def others_in_flight(self, drain: Drain) -> int | None:
+        """Requests in flight on the member at the other live `fleet serve` processes; None while
+        one of them has not answered yet (it may not have taken the member out of routing)."""
+        others = self.sql.other_serves()
+        if not others:
+            return 0
+        answers = dict(self.sql.execute("SELECT serve, in_flight FROM drain_answers WHERE server_id=? AND lock_id=?",
+                                        (drain.server_id, drain.lock_id)).fetchall())
+        if any(serve not in answers for serve in others):
+            return None
+        return sum(int(answers[serve]) for serve in others)
 
     def answer(self, server_id: str, seen: str, in_flight: int, when: str) -> None:
         self.sql.execute("UPDATE drains SET seen=?, in_flight=?, updated=? WHERE server_id=?",

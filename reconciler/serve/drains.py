@@ -24,21 +24,25 @@ class WatchBoard(Protocol):
     def changed(self) -> bool: ...
     def active(self) -> list[Drain]: ...
     def answer(self, server_id: str, seen: str, in_flight: int, when: str) -> None: ...
+    def answer_for(self, serve: str, drain: Drain, in_flight: int, when: str) -> None: ...
+    def others_in_flight(self, drain: Drain) -> int | None: ...
 
 
 class DrainWatcher:
     """`in_flight(server_id)`: requests the router has on that member now; `refresh(nodes)`: ask
     those agents now (Heartbeat.refresh); `on_change(n)`: members drained now (the metrics);
     `wait(limit)`: until the board may have changed (None: look every `every` seconds); `answers()`:
-    whether this process answers in the rows (the leader, when several serve one shared store)."""
+    whether this process answers in the rows (the leader, when several serve one shared store);
+    `name`: this process's among them (a follower answers its requests in flight under it)."""
 
     def __init__(self, board: WatchBoard, view: View, in_flight: Callable[[str], int],
                  refresh: Callable[[Collection[str]], Awaitable[None]], *, every: float = EVERY_S,
                  now: Callable[[], str] = utc_now, on_change: Callable[[int], None] | None = None,
                  wait: Callable[[float], Awaitable[None]] | None = None,
-                 answers: Callable[[], bool] = lambda: True) -> None:
+                 answers: Callable[[], bool] = lambda: True, name: str = "") -> None:
         self.board, self.view, self.in_flight, self.refresh = board, view, in_flight, refresh
-        self.every, self.now, self.wait, self.answers = every, now, wait, answers
+        self.every, self.now, self.wait, self.answers, self.name = every, now, wait, answers, name
+        self._told: dict[tuple[str, str], int] = {}  # a follower's last answers, by member and apply
         self.on_change = on_change or (lambda n: None)
         self.rows: list[Drain] = []
 
@@ -64,13 +68,22 @@ class DrainWatcher:
             self.view.draining = drained
             self.on_change(len(drained))
         if not self.answers():  # another `fleet serve` leads: it answers, and admits (serve/leader.py)
+            told = {}
+            for d in self.rows:
+                if d.phase == "drain":
+                    told[d.server_id, d.lock_id] = n = self.in_flight(d.server_id)
+                    if self._told.get((d.server_id, d.lock_id)) != n:  # in flight here, for the leader
+                        self.board.answer_for(self.name, d, n, self.now())
+            self._told = told
             return
         for d in self.rows:
             if d.phase == "drain":
-                n = self.in_flight(d.server_id)
-                seen = "drained" if n == 0 else "draining"
-                if (seen, n) != (d.seen, d.in_flight):
-                    self.board.answer(d.server_id, seen, n, self.now())
+                # Drained once no serve has a request in flight on it, and every other serve sharing
+                # the store has said so (each took it out of routing before it answered).
+                n, others = self.in_flight(d.server_id), self.board.others_in_flight(d)
+                seen = "drained" if n == 0 and others == 0 else "draining"
+                if (seen, n + (others or 0)) != (d.seen, d.in_flight):
+                    self.board.answer(d.server_id, seen, n + (others or 0), self.now())
             elif d.seen != "admitted":
                 await self.admit(d)
 

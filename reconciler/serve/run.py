@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import ssl
 
 import trio
@@ -88,6 +89,9 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
         heartbeat = make_heartbeat()
         view = heartbeat.view
         notifier = shared.notifier() if shared is not None else None
+        name = f"{socket.gethostname()}:{os.getpid()}"
+        if shared is not None:  # the other serves wait for this one's answers while it lives
+            shared.sql.name_serve(name)
         roles = (Roles(make_heartbeat, view, store, shared.leader_lock(),
                        lambda limit: notifier.wait(ServeRecord.CHANNEL, limit), poll_s=min(interval / 4, 2.0),
                        observe=observe, timeout=timeout)
@@ -99,7 +103,7 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
                                 on_change=metrics.draining.set,
                                 wait=(lambda limit: notifier.wait(DrainRows.CHANNEL, limit)) if notifier
                                 else lambda limit: trio.sleep(SQLITE_IDLE_S),
-                                answers=(lambda: roles.leading) if roles else (lambda: True))
+                                answers=(lambda: roles.leading) if roles else (lambda: True), name=name)
                    if drains is not None else None)
         host, _, port = desired.control_plane.listen.rpartition(":")
         front = Front(router.app(), Limits(max_connections=connection_cap(nofile - kept)), tls=tls,

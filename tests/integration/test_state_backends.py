@@ -4,6 +4,7 @@ apply lives; on PostgreSQL also a lock that ends with its session, NOTIFY, and l
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import time
 from pathlib import Path
@@ -306,3 +307,52 @@ def test_psycopg_is_loaded_only_for_a_postgresql_url(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, done.stdout + done.stderr
     assert '"code": "postgres_driver_missing"' in done.stdout and "fleet[postgres]" in done.stdout, done.stdout
+
+
+def test_with_two_serves_drained_waits_for_the_followers_requests(backend: tuple[str, str], opened: Opener) -> None:
+    """The leader answers for all: a member is drained once the follower, which took it out of
+    routing too, has no request in flight on it either."""
+    if backend[0] != "postgresql":
+        pytest.skip("one fleet serve per SQLite store")
+    from reconciler.drain import Drainer
+    from reconciler.plan import Action, Change
+    from reconciler.serve.drains import DrainWatcher
+    from reconciler.serve.heartbeat import View
+    from reconciler.state_pg import SharedStore
+
+    apply, leader, follower = opened(), opened(), opened()
+    assert isinstance(leader, SharedStore) and isinstance(follower, SharedStore)
+    leader.sql.name_serve("leader")
+    follower.sql.name_serve("follower")
+    lock, _ = apply.applies.acquire("fleet apply")
+    views, flying = (View(), View()), {"follower": 1}
+    change = Change(Action.REPLACE, "server.chat@a", "a", "changed", details={"server_id": "chat@a", "cluster": "chat"})
+    notes: list[str] = []
+
+    async def refresh(nodes: object) -> None:
+        pass
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for store, view, name in ((leader, views[0], "leader"), (follower, views[1], "follower")):
+                counted: Callable[[str], int] = functools.partial(lambda who, sid: flying.get(who, 0), name)
+                leads: Callable[[], bool] = functools.partial(lambda who: who == "leader", name)
+                watcher = DrainWatcher(store.drains, view, counted, refresh, answers=leads, name=name)
+                await nursery.start(watcher.run)
+
+            async def finish() -> None:
+                await trio.sleep(0.5)
+                flying["follower"] = 0
+
+            nursery.start_soon(finish)
+            started = trio.current_time()
+            async with Drainer(apply.drains, lock.id, poll_s=0.01).around(change, notes.append):
+                assert "chat@a" in views[0].draining and "chat@a" in views[1].draining
+                assert trio.current_time() - started >= 0.5  # waited for the follower's request
+            await trio.sleep(0.2)
+            assert "chat@a" not in views[1].draining  # the follower routes to it again once admitted
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert notes[0].startswith("draining chat@a: "), notes  # acknowledged before the follower's count came
+    assert notes[1:] == ["drained chat@a: no request in flight", "chat@a is back in routing"]

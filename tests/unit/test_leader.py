@@ -71,22 +71,22 @@ def test_follows_leads_when_free_steps_down_when_lost(tmp_path: Path) -> None:
             assert not roles.leading and view.online == {"a": True} and beats == []  # routes from the rows
             assert view.nodes["a"].servers["c@a"].state == "running"
             lock.free = True
-            with trio.fail_after(1):
+            with trio.fail_after(5):
                 while not beats:
                     await trio.sleep(0.01)
             assert roles.leading  # took the lead within a poll, beat at once
             assert view.nodes["a"].servers["c@a"].credential == "secret"
             await trio.sleep(0.5)
-            assert 2 <= len(beats) <= 5
+            assert len(beats) >= 2  # it beats every interval while it leads
             lock.free, lock.holding = False, False  # its session ended
-            with trio.fail_after(1):
+            with trio.fail_after(5):
                 while roles.leading:
                     await trio.sleep(0.01)
             count = len(beats)
             await trio.sleep(0.6)
             assert len(beats) == count  # a follower never beats
             lock.free = True
-            with trio.fail_after(1):
+            with trio.fail_after(5):
                 while not roles.leading:  # and leads again once it can
                     await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
