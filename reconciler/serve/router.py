@@ -30,6 +30,7 @@ log = logging.getLogger("fleet")
 
 RELAYED = frozenset({"/v1/completions", "/v1/chat/completions"})
 RENEW_TIMEOUT_S = 5.0  # asking an agent for a restarted worker's credential, between beats
+RENEW_EVERY_S = 2.0  # a node is asked again at most this often, however many requests are refused
 Refresh = Callable[[Collection[str]], Awaitable[None]]  # ask these nodes now (Heartbeat.refresh)
 
 
@@ -129,6 +130,7 @@ class Router:
         # (once for all the requests that found out at the same time) before the request goes on.
         self.refresh = refresh
         self._renewing: dict[str, trio.Event] = {}
+        self._renewed_at: dict[str, float] = {}  # node → when it was last asked (trio's clock)
         self.pool = upstream.Pool()
         self.http = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout, connect=5.0),
                                       limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
@@ -190,16 +192,24 @@ class Router:
         pending = self._renewing.get(node)
         if pending is not None:
             await pending.wait()
-        elif self.refresh is not None:
+        elif self.refresh is not None and self._may_ask(node):
             pending = self._renewing[node] = trio.Event()
+            self._renewed_at[node] = trio.current_time()
             try:
-                with trio.move_on_after(RENEW_TIMEOUT_S):
+                # Shielded, and bounded: a client that leaves must not cancel what others wait on.
+                with trio.CancelScope(shield=True), trio.move_on_after(RENEW_TIMEOUT_S):
                     await self.refresh([node])
             finally:
                 del self._renewing[node]
                 pending.set()
         fresh = self.credential(node, sid)
         return fresh if fresh and fresh != refused else None
+
+    def _may_ask(self, node: str) -> bool:
+        """Whether `node` may be asked again now: a worker that keeps refusing must not turn every
+        client request into a call to its agent."""
+        last = self._renewed_at.get(node)
+        return last is None or trio.current_time() - last >= RENEW_EVERY_S
 
     async def open_stream(self, node: str, sid: str, port: int, path: str, raw: bytes) -> upstream.UpstreamResponse:
         """upstream.post with the member's credential, asked once more with a renewed one if the
@@ -254,7 +264,7 @@ class Router:
             body = json.loads(raw)
             name = body["model"]
             assert isinstance(name, str)
-        except (ValueError, KeyError, TypeError, AssertionError):
+        except (ValueError, KeyError, TypeError, AssertionError, RecursionError):  # RecursionError: nested deep
             return api_error(400, "invalid_request", "the body must be JSON with a `model` naming a cluster")
         cluster = self.cluster_for(name)
         request.state.cluster = cluster.name if cluster else "-"

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -17,7 +18,7 @@ from starlette.routing import Route
 from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
 from reconciler.observed import node_from_state
 from reconciler.serve.heartbeat import View
-from reconciler.serve.router import Router
+from reconciler.serve.router import RENEW_EVERY_S, Router
 
 DIGEST = "sha256:" + "1" * 64
 HOME = {"a": "/srv/a-home", "b": "/srv/b-home"}
@@ -118,3 +119,70 @@ def test_no_member_answering_is_502_and_logged(caplog: pytest.LogCaptureFixture)
     r = call(router, body={"model": "chat", "prompt": "x"})
     assert r.status_code == 502 and r.json()["error"]["code"] == "no_member_answered"
     assert "no member of 'chat' answered: a: ConnectError" in caplog.text
+
+
+def test_a_body_nested_too_deep_is_a_400_not_a_traceback() -> None:
+    router = Router(desired(), view({"a": "running", "b": "running"}), transport=upstream())
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router.app()), base_url="http://cp") as c:
+            return await c.post("/v1/completions", content=b"[" * 100_000,
+                                headers={"content-type": "application/json"})
+    r = trio.run(go)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+
+
+def credentialed(credential: str) -> View:
+    v = view({"a": "running", "b": "running"})
+    v.nodes["a"] = node_from_state("a", {"servers": [{"id": "chat@a", "state": "running", "model": DIGEST,
+                                                      "credential": credential}]})
+    return v
+
+
+def test_a_worker_that_keeps_refusing_asks_its_agent_at_most_once_an_interval() -> None:
+    asked: list[str] = []
+    router = Router(desired(), credentialed("old"), transport=upstream())
+
+    async def refresh(nodes: list[str]) -> None:
+        asked.extend(nodes)  # the agent reports the same credential: the worker still refuses it
+
+    router.refresh = refresh
+    clock = trio.testing.MockClock()
+
+    async def go() -> None:
+        for _ in range(20):
+            assert await router.renewed("a", "chat@a", "old") is None
+        assert asked == ["a"]
+        clock.jump(RENEW_EVERY_S)
+        assert await router.renewed("a", "chat@a", "old") is None
+        assert asked == ["a", "a"]
+    trio.run(go, clock=clock)
+
+
+def test_a_client_that_leaves_does_not_cancel_the_renewal_others_wait_on() -> None:
+    router = Router(desired(), credentialed("old"), transport=upstream())
+
+    async def refresh(nodes: list[str]) -> None:
+        await trio.sleep(0.05)
+        router.view.nodes["a"] = credentialed("new").nodes["a"]
+
+    router.refresh = refresh
+    got: list[str | None] = []
+    leaver = trio.CancelScope()
+
+    async def asker() -> None:  # the request that asks the agent, whose client then hangs up
+        with leaver:
+            await router.renewed("a", "chat@a", "old")
+
+    async def waiter() -> None:
+        got.append(await router.renewed("a", "chat@a", "old"))
+
+    async def go() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(asker)
+            await trio.sleep(0.01)
+            nursery.start_soon(waiter)
+            await trio.sleep(0.01)
+            leaver.cancel()
+    trio.run(go)
+    assert got == ["new"]
