@@ -29,6 +29,7 @@ from .plan import Plan
 from .progress import ApplyProgress
 from .planner import plan as make_plan
 from .render import JSON_FORMAT_VERSION, console, print_diagnostics, print_lines, print_plan, result_line
+from .state_sql import StateError
 from .state_store import ApplyLedger, LockHeld
 from .tables import open_store
 
@@ -129,6 +130,9 @@ def _stale(saved: Plan, loaded: config.Loaded, args: argparse.Namespace) -> tupl
 
 def cmd_apply(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
+    if args.planfile and getattr(args, "target", None):
+        raise Failure(Exit.USAGE, "usage", "--target does not go with a saved plan: it applies the targets "
+                      "it was made with", hint="make the plan with them: fleet plan --target ADDRESS -o FILE")
     saved = _read_plan(args.planfile, loaded) if args.planfile else None
     # The lock covers planning too: two applies planning at once would both plan the same work.
     with open_store(args.state_dir, getattr(args, "state", None),
@@ -144,6 +148,8 @@ def cmd_apply(args: argparse.Namespace, path: str) -> int:
                                        f"{taken.describe()}")
         try:
             return _apply_locked(loaded, args, ledger, Drainer(store.drains, lock.id), saved)
+        except StateError as exc:  # a shared store lost mid-apply (state_pg.py)
+            raise Failure(Exit.INVALID_CONFIG, exc.code, str(exc), hint=exc.hint or "") from None
         finally:
             ledger.release(lock.id)
 
@@ -154,7 +160,7 @@ def _read_plan(path: str, loaded: config.Loaded) -> Plan:
     assert loaded.desired is not None
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         raise Failure(Exit.INVALID_CONFIG, "unreadable_plan", f"cannot read the saved plan {path}: {exc}",
                       hint="make one with: fleet plan -o FILE") from None
     # The nodes it names are checked against the file it was made from; made from another, it is stale.

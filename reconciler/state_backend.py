@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
-from .state_pg import StateError, redact
-from .state_sql import Sql, StoreTooNew
+from .state_pg import redact
+from .state_sql import Sql, StateError, StoreTooNew
 from .state_store import ApplyLedger, DrainRows, ServeRecord, StateStore, default_state_dir
 
 ENV = "FLEET_STATE_URL"

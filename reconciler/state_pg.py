@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import trio
 
-from .state_sql import Rows, Sql, migrate
+from .state_sql import Rows, Sql, StateError, migrate
 from .state_store import ApplyLedger, DrainRows, ServeRecord
 
 if TYPE_CHECKING:
@@ -32,14 +32,6 @@ CONNECT_TIMEOUT_S = 10
 # The server ends a session whose client host vanished (power cut, partition) after about 25 s,
 # and with it the locks it held: the default would wait two hours.
 KEEPALIVE = ("SET tcp_keepalives_idle = 10", "SET tcp_keepalives_interval = 5", "SET tcp_keepalives_count = 3")
-
-
-class StateError(Exception):
-    """The store cannot be used: a stable code, what happened, and what to do."""
-
-    def __init__(self, code: str, message: str, hint: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.hint = code, hint
 
 
 def redact(url: str) -> str:
@@ -103,7 +95,13 @@ class PgSql:
         query = self._queries.get(sql)
         if query is None:
             query = self._queries[sql] = _PLACEHOLDER.sub("%s", sql.replace("%", "%%"))
-        return self.conn.execute(query, params)
+        try:
+            return self.conn.execute(query, params)
+        except _driver().OperationalError as exc:  # the session is gone (server restarted, network)
+            text = str(exc).strip()
+            raise StateError("state_lost", f"lost the connection to the state store {self.where}: "
+                             f"{text.splitlines()[0] if text else type(exc).__name__}",
+                             hint="run the command again once the store answers") from None
 
     def transaction(self) -> Any:
         return self.conn.transaction()

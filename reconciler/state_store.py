@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 import platformdirs
 import trio
 
-from .state_sql import Sql, SqliteSql, migrate
+from .state_sql import Sql, SqliteSql, StateError, migrate
 
 HOLDER = 'id, host, pid, "user", since, command'
 HOLDER_WAIT_S = 2.0  # PostgreSQL: how long a refused apply waits for the holder's row to name it
@@ -125,8 +125,11 @@ class ApplyLedger:
             time.sleep(0.02)
 
     def release(self, lock_id: str) -> bool:
-        released = self.sql.execute("DELETE FROM lock WHERE id = ?", (lock_id,)).rowcount == 1
-        self.sql.drop_apply_lock()
+        try:
+            released = self.sql.execute("DELETE FROM lock WHERE id = ?", (lock_id,)).rowcount == 1
+            self.sql.drop_apply_lock()
+        except StateError:  # the session is gone, and the advisory lock with it: nothing to release
+            return False
         return released
 
     def holder(self) -> Holder | None:

@@ -17,7 +17,7 @@ from .observed import ObservedNode, node_from_state
 from .outcome import Failure, print_json
 from .render import JSON_FORMAT_VERSION, console
 from .state_backend import ENV as STATE_URL_ENV, Store, open_state, resolve
-from .state_pg import StateError
+from .state_sql import StateError
 
 
 def open_store(state_dir: str | None, url: str | None = None, in_file: str | None = None) -> Store:

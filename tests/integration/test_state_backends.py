@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from reconciler.state_backend import Store, open_state, sqlite_url
-from reconciler.state_pg import StateError
+from reconciler.state_sql import StateError
 from reconciler.state_sql import LATEST
 from reconciler.state_store import Drain, LockHeld, ServeRecord
 from tests.postgres import Server
