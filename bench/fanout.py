@@ -1,0 +1,306 @@
+"""bench/fanout: one model from one source to eight agents, each agent in its own network namespace
+behind a veth pair whose egress is limited to 1 Gbit/s (tc tbf), and prints in one run: one node's
+copy time, fleet's planned fan-out (fleet apply: chains that forward pieces as they arrive), every
+receiver from the source at once, the bytes each link sent, and the ratio fan-out / one node.
+Target: <= 1.3. Needs root (ip netns, veth, tc); agent homes on a tmpfs when memory allows.
+
+    .venv/bin/python bench/fanout.py [--gib 1.0] [--receivers 8] [--rate 1gbit]
+
+Every namespace, link and mount it makes is named with the prefix "ffan", and is removed when it
+ends, whatever happens, and at its start if an earlier run was killed before it could."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+from bench.replication import make_file  # noqa: E402
+from tests.agents import SECRET, agent_env  # noqa: E402
+from tests.conftest import fleet_bin  # noqa: E402
+
+PREFIX = "ffan"
+BRIDGE = f"{PREFIX}br"
+SUBNET = "10.213.77"
+PORT = 7070
+AUTH = {"Authorization": f"Bearer {SECRET}"}
+
+
+def sh(*args: str, check: bool = True, timeout: float = 30) -> str:
+    return subprocess.run(args, capture_output=True, text=True, check=check, timeout=timeout).stdout
+
+
+def cleanup(mounts: list[Path]) -> None:
+    """Remove every namespace and link named with the prefix, and the given tmpfs mounts."""
+    for ns in sh("ip", "netns", "list", check=False).split("\n"):
+        name = ns.split(" ")[0]
+        if name.startswith(PREFIX):
+            for pid in sh("ip", "netns", "pids", name, check=False).split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)  # only processes inside our own namespaces
+                except (ProcessLookupError, ValueError):
+                    pass
+            sh("ip", "netns", "del", name, check=False)
+    for line in sh("ip", "-o", "link", "show", check=False).split("\n"):
+        parts = line.split(": ")
+        if len(parts) > 1 and parts[1].split("@")[0].startswith(PREFIX):
+            sh("ip", "link", "del", parts[1].split("@")[0], check=False)
+    for m in mounts:
+        sh("umount", "-l", str(m), check=False)
+
+
+def stale_mounts() -> list[Path]:
+    return [Path(line.split()[1]) for line in Path("/proc/mounts").read_text().splitlines()
+            if f"/{PREFIX}-" in line.split()[1]]
+
+
+class Net:
+    """A bridge in the root namespace (the control plane's side) and one namespace per agent."""
+
+    def __init__(self, rate: str, queue_ms: float) -> None:
+        self.rate, self.queue_ms = rate, queue_ms
+        sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
+        sh("ip", "link", "set", BRIDGE, "up")
+
+    def add(self, i: int) -> tuple[str, str]:
+        ns, host, inner = f"{PREFIX}{i}", f"{PREFIX}h{i}", f"{PREFIX}n{i}"
+        address = f"{SUBNET}.{10 + i}"
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", host, "type", "veth", "peer", "name", inner)
+        sh("ip", "link", "set", inner, "netns", ns)
+        sh("ip", "link", "set", host, "master", BRIDGE)
+        sh("ip", "link", "set", host, "up")
+        run = ("ip", "netns", "exec", ns)
+        sh(*run, "ip", "addr", "add", f"{address}/24", "dev", inner)
+        sh(*run, "ip", "link", "set", inner, "up")
+        sh(*run, "ip", "link", "set", "lo", "up")
+        # The node's uplink: what it sends, to peers and to the control plane, is limited here. A
+        # node of a chain sends its downstream's data and its upstream's ACKs through this one FIFO
+        # (this kernel has no fq_codel to keep them apart); with tbf's queue at 50 ms (6 MB at
+        # 1 Gbit/s) the ACKs waited behind it and the upstream's transfer crawled (1 GiB through a
+        # chain of eight took 105 s, against 77 s for eight from the source). A queue of a few ms is
+        # what a real NIC keeps (byte queue limits).
+        sh(*run, "tc", "qdisc", "add", "dev", inner, "root", "tbf", "rate", self.rate, "burst", "256kb",
+           "latency", f"{self.queue_ms}ms")
+        return ns, address
+
+    @staticmethod
+    def sent(ns: str, i: int) -> int:
+        stats = json.loads(sh("ip", "netns", "exec", ns, "ip", "-j", "-s", "link", "show", f"{PREFIX}n{i}"))
+        return int(stats[0]["stats64"]["tx"]["bytes"])
+
+
+class Agents:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.nodes: dict[str, tuple[str, str, int]] = {}  # name → (namespace, address, index)
+
+    def start(self, name: str, ns: str, address: str, i: int) -> None:
+        home = self.root / name
+        sh(fleet_bin("fleet-agent"), "enroll", "--home", str(home), "--name", name)
+        log = open(self.root / f"{name}.log", "wb")
+        self.procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", ns, fleet_bin("fleet-agent"), "serve", "--home", str(home), "--listen",
+             f"{address}:{PORT}", "--verify-every", "off", "--disk-reserve", "0"],
+            env=agent_env(), stdout=log, stderr=subprocess.STDOUT))
+        self.nodes[name] = (ns, address, i)
+
+    def url(self, name: str) -> str:
+        return f"http://{self.nodes[name][1]}:{PORT}"
+
+    def wait_up(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        for name in self.nodes:
+            while True:
+                try:
+                    if httpx.get(self.url(name) + "/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"agent {name} did not answer within {timeout}s: "
+                                     f"{(self.root / f'{name}.log').read_text()[-2000:]}")
+                time.sleep(0.1)
+
+    def cpu(self) -> float:
+        """CPU seconds the agents have used (`ip netns exec` execs the agent: the pid is the agent's)."""
+        total = 0.0
+        for p in self.procs:
+            try:
+                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
+    def sent(self) -> dict[str, int]:
+        return {n: Net.sent(ns, i) for n, (ns, _, i) in self.nodes.items()}
+
+    def fetch_seconds(self, names: list[str], digest: str) -> str:
+        """Each receiver's own fetch time (its agent's bytes over rate), without fleet's planning."""
+        out = []
+        for n in names:
+            job = httpx.get(f"{self.url(n)}/v1/weights/{digest}", headers=AUTH, timeout=30).json().get("fetch") or {}
+            rate = job.get("rate_bytes_per_s") or 0
+            out.append(f"{n} {job.get('bytes_fetched', 0) / rate:.2f}" if rate else f"{n} ?")
+        return "  ".join(out)
+
+    def delete(self, names: list[str], digest: str) -> None:
+        for n in names:
+            httpx.delete(f"{self.url(n)}/v1/weights/{digest}", headers=AUTH, timeout=30)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+def fleet_file(path: Path, agents: Agents, digest: str, receivers: list[str]) -> None:
+    nodes = "\n".join(f"  {n}: {{address: {a}, agent_port: {PORT}}}" for n, (_, a, _) in agents.nodes.items())
+    path.write_text(f"version: 1\ncontrol_plane: {{node: src}}\nnodes:\n{nodes}\nmodels:\n"
+                    f"  m: {{format: gguf, digest: \"{digest}\", source: src}}\n"
+                    f"replicas:\n  m: [{', '.join(receivers) or 'src'}]\nclusters: {{}}\n")
+
+
+def apply(root: Path, agents: Agents, digest: str, receivers: list[str]) -> tuple[float, str]:
+    """fleet apply of `receivers` holding the model: seconds, and the plan it printed."""
+    fleet_file(root / "fleet.yaml", agents, digest, receivers)
+    began = time.monotonic()
+    done = subprocess.run([fleet_bin(), "apply", "--auto-approve", "-f", str(root / "fleet.yaml")],
+                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL,
+                          env=agent_env(FLEET_STATE_DIR=str(root / "state")))
+    took = time.monotonic() - began
+    if done.returncode != 0:
+        raise SystemExit(f"fleet apply failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return took, done.stdout
+
+
+def from_source(agents: Agents, digest: str, receivers: list[str]) -> float:
+    """Every receiver asked at once to fetch from the source, through the agents' API; seconds."""
+    began = time.monotonic()
+    for n in receivers:
+        r = httpx.put(f"{agents.url(n)}/v1/weights/{digest}", headers=AUTH, timeout=30,
+                      json={"peer": agents.url("src"), "name": "m"})
+        r.raise_for_status()
+    left = set(receivers)
+    deadline = began + 900
+    while left and time.monotonic() < deadline:
+        for n in sorted(left):
+            state = httpx.get(f"{agents.url(n)}/v1/weights/{digest}", headers=AUTH, timeout=30).json()
+            if state["state"] == "present":
+                left.discard(n)
+            elif state["state"] == "failed":
+                raise SystemExit(f"{n}: {state}")
+        time.sleep(0.05)
+    if left:
+        raise SystemExit(f"still fetching after 900 s: {sorted(left)}")
+    return time.monotonic() - began
+
+
+def busy(cpu: float, seconds: float) -> str:
+    return f"agents' CPU {cpu:5.1f} s, {cpu / seconds:.2f} of {os.cpu_count()} cores busy on average"
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {n: after[n] - before[n] for n in after}
+
+
+def links(sent: dict[str, int], size: int) -> str:
+    return "  ".join(f"{n} {b / size:.2f}" for n, b in sent.items())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--receivers", type=int, default=8)
+    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--queue-ms", type=float, default=2.0, help="tbf's queue, in ms of the rate (default: 2.0)")
+    args = ap.parse_args()
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        raise SystemExit("bench/fanout needs root and iproute2 (ip, tc)")
+    cleanup(stale_mounts())
+    size = int(args.gib * (1 << 30)) // (1 << 20) << 20
+    avail = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                     if line.startswith("MemAvailable:"))) * 1024
+    copies = args.receivers + 1
+    if avail < copies * size + (4 << 30) and size > 512 << 20:
+        print(f"MemAvailable {avail / 2**30:.1f} GiB cannot hold {copies} copies of {size / 2**30:.2f} GiB and "
+              "leave 4 GiB: 512 MiB instead", flush=True)
+        size = 512 << 20
+    root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-"))
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={copies * size + (1 << 30)}", "tmpfs", str(root)],
+                             capture_output=True).returncode == 0
+    agents = Agents(root)
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; homes on "
+          f"{'a tmpfs' if mounted else 'disk (tmpfs mount refused)'}; {args.receivers} receivers, {args.rate} egress "
+          f"each (tbf, queue {args.queue_ms:g} ms), model {size / 2**20:.0f} MiB", flush=True)
+    try:
+        net = Net(args.rate, args.queue_ms)
+        names = ["src"] + [f"n{i}" for i in range(1, args.receivers + 1)]
+        for i, name in enumerate(names):
+            agents.start(name, *net.add(i), i)
+        agents.wait_up()
+        model = root / "m.gguf"
+        make_file(model, size)
+        imported = subprocess.run([fleet_bin("fleet-agent"), "import", "--home", str(root / "src"), str(model),
+                                   "--json", "--link"], capture_output=True, text=True, timeout=600, env=agent_env(),
+                                  check=True)
+        digest = json.loads(imported.stdout)["digest"]
+        receivers = names[1:]
+
+        before, cpu = agents.sent(), agents.cpu()
+        one, _ = apply(root, agents, digest, receivers[:1])
+        one_links = delta(before, agents.sent())
+        print(f"one node (fleet apply, src -> n1): {one:6.2f} s  {size / one / 1e6:6.1f} MB/s; the fetch itself: "
+              f"{agents.fetch_seconds(receivers[:1], digest)} s; {busy(agents.cpu() - cpu, one)}", flush=True)
+        agents.delete(receivers[:1], digest)
+
+        before, cpu = agents.sent(), agents.cpu()
+        fan, plan = apply(root, agents, digest, receivers)
+        fan_links, fan_cpu = delta(before, agents.sent()), agents.cpu() - cpu
+        chain = [line.strip() for line in plan.splitlines() if "fetch" in line and "bytes from" in line]
+        print(f"fan-out (fleet apply, {len(receivers)} receivers): {fan:6.2f} s  plan: "
+              + "; ".join(c.split("bytes from ")[-1] for c in chain), flush=True)
+        print(f"  each fetch itself (s): {agents.fetch_seconds(receivers, digest)}; {busy(fan_cpu, fan)}", flush=True)
+        agents.delete(receivers, digest)
+
+        before, cpu = agents.sent(), agents.cpu()
+        everyone = from_source(agents, digest, receivers)
+        src_links = delta(before, agents.sent())
+        print(f"everyone from the source (API, {len(receivers)} at once): {everyone:6.2f} s; "
+              f"{busy(agents.cpu() - cpu, everyone)}", flush=True)
+        print(f"  each fetch itself (s): {agents.fetch_seconds(receivers, digest)}", flush=True)
+        print(f"bytes sent per link, in copies of the model ({size:,} bytes):")
+        print(f"  one node:    {links(one_links, size)}")
+        print(f"  fan-out:     {links(fan_links, size)}")
+        print(f"  from source: {links(src_links, size)}")
+        print(f"ratio fan-out / one node: {fan / one:.2f} (target <= 1.3); everyone-from-source / one node: "
+              f"{everyone / one:.2f}")
+        print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    finally:
+        agents.stop()
+        cleanup([root] if mounted else [])
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
