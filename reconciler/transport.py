@@ -123,7 +123,11 @@ class SocketTransport:
         ca_file = node.ca_file or self._ca_file
         context = self._ssl.get(ca_file)
         if context is None:
-            context = self._ssl[ca_file] = ssl.create_default_context(cafile=ca_file)
+            try:
+                context = self._ssl[ca_file] = ssl.create_default_context(cafile=ca_file)
+            except BaseException:  # the CA file gone since the fleet file was read: no socket left behind
+                sockio.close(sock)
+                raise
         # The certificate is checked against the name the node goes by (sent as SNI too); its address
         # is only where to connect. Not https_compatible: in that mode trio's aclose sends no
         # close_notify (an agent's answer always has a length, so a ragged end is never read).
