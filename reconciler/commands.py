@@ -224,6 +224,7 @@ def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, ledger: Apply
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     desired = loaded.desired
     assert desired is not None
+    ledger.confirm()  # still the lock's holder after the question (a shared store's session may have ended)
     results = trio.run(_execute, desired, p, args, _secret(), drains)
     ledger.record_apply(started, p.config_digest, p.summary(), [asdict(r) for r in results])
     print_lines(people, [result_line(r) for r in results])

@@ -140,6 +140,15 @@ class PgSql:
             self.execute("SELECT set_config('application_name', 'fleet', false)")
             self._holding = False
 
+    def confirm_apply_lock(self) -> None:
+        # The session is the lock: a dead one raises StateError here (execute), and a live one holds it.
+        held = self._holding and self.execute(
+            f"SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = {KEY} "
+            f"AND objid = {APPLY} AND objsubid = 2 AND granted AND pid = pg_backend_pid())").fetchone()[0]
+        if not held:
+            raise StateError("lock_lost", f"this apply no longer holds the lock of {self.where}: nothing was applied",
+                             hint="run the apply again")
+
     def holder_gone(self, lock_id: str, host: str, pid: int) -> bool:
         return not self.execute(
             "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "

@@ -108,6 +108,7 @@ class Sql(Protocol):
     # PostgreSQL: the session's advisory lock (the session then says lock_id); SQLite: the row is the lock.
     def take_apply_lock(self, lock_id: str) -> bool: ...
     def drop_apply_lock(self) -> None: ...
+    def confirm_apply_lock(self) -> None: ...  # raises StateError once it is no longer held
     def holder_gone(self, lock_id: str, host: str, pid: int) -> bool: ...  # a lock row whose apply cannot run
     def other_serves(self) -> list[str]: ...  # the names of the other `fleet serve` sessions (SQLite: none)
 
@@ -163,6 +164,9 @@ class SqliteSql:
         return True
 
     def drop_apply_lock(self) -> None:
+        pass
+
+    def confirm_apply_lock(self) -> None:
         pass
 
     def holder_gone(self, lock_id: str, host: str, pid: int) -> bool:

@@ -132,6 +132,11 @@ class ApplyLedger:
             return False
         return released
 
+    def confirm(self) -> None:
+        """Raises StateError if this process no longer holds the lock it took: on PostgreSQL, if its
+        session ended (another apply may hold the lock now). SQLite's row stays until released."""
+        self.sql.confirm_apply_lock()
+
     def holder(self) -> Holder | None:
         row = self.sql.execute(f"SELECT {HOLDER} FROM lock").fetchone()
         return Holder(*row) if row else None

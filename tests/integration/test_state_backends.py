@@ -356,3 +356,19 @@ def test_with_two_serves_drained_waits_for_the_followers_requests(backend: tuple
     trio.run(main)
     assert notes[0].startswith("draining chat@a: "), notes  # acknowledged before the follower's count came
     assert notes[1:] == ["drained chat@a: no request in flight", "chat@a is back in routing"]
+
+
+def test_an_apply_whose_session_ended_is_told_before_it_applies(backend: tuple[str, str], opened: Opener) -> None:
+    apply, other = opened(), opened()
+    lock, _ = apply.applies.acquire("fleet apply")
+    apply.applies.confirm()  # held: nothing to say
+    if backend[0] == "sqlite":
+        return  # the row is the lock until released
+    other.sql.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = ?",
+                      ("fleet-apply:" + lock.id,))
+    with pytest.raises(StateError) as lost:
+        apply.applies.confirm()
+    assert lost.value.code == "state_lost" and "lost the connection to the state store" in str(lost.value)
+    assert not apply.applies.release(lock.id)  # nothing left to release: the lock went with the session
+    mine, taken = other.applies.acquire("fleet apply")
+    assert taken == lock
