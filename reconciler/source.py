@@ -45,9 +45,9 @@ for _tag, _regexp, _first in (
 @dataclass(frozen=True, slots=True)
 class Document:
     """A parsed fleet file. `marks` holds the range of each value by its YAML path, `key_marks`
-    the range of the key that introduced it. Both are worked out on first use, from the YAML
-    nodes kept for that: a valid file of 10,000 nodes never needs them, and recording a range for
-    each of its 100,000 values was a third of reading it."""
+    the range of the key that introduced it. Both are worked out on first use (_Marks): a valid
+    file of 10,000 nodes never needs them, and recording a range for each of its 100,000 values
+    was a third of reading it."""
 
     filename: str
     text: str
@@ -80,19 +80,26 @@ class Document:
 
 
 class _Marks:
-    """The ranges of a document's values and keys, recorded by walking its YAML nodes again the
-    way _Builder built the values (so each path names the same node), once, when first asked."""
+    """The ranges of a document's values and keys, recorded by composing its text again and
+    walking the nodes the way _Builder built the values (so each path names the same node), once,
+    when first asked. The text is kept rather than the nodes: ~260,000 objects at 10,000 nodes
+    that every later full collection would walk again."""
 
-    def __init__(self, root: yaml.Node, filename: str) -> None:
-        self._root: yaml.Node | None = root
+    def __init__(self, text: str, filename: str) -> None:
+        self._text: str | None = text
         self._filename = filename
         self._tables: tuple[dict[YamlPath, tuple[Pos, Pos]], dict[YamlPath, tuple[Pos, Pos]]] = ({}, {})
 
     def tables(self) -> tuple[dict[YamlPath, tuple[Pos, Pos]], dict[YamlPath, tuple[Pos, Pos]]]:
-        if self._root is not None:
+        if self._text is not None:
+            loader = _Loader(self._text)
+            try:
+                root = loader.get_single_node()  # it composed once already: the same tree again
+            finally:
+                loader.dispose()
             builder = _Builder(None, self._filename, record=True)
-            builder.build(self._root, ())
-            self._tables, self._root = (builder.marks, builder.key_marks), None
+            builder.build(root, ())
+            self._tables, self._text = (builder.marks, builder.key_marks), None
         return self._tables
 
 
@@ -187,7 +194,7 @@ def _parse(text: str, filename: str) -> tuple[Document | None, list[Diagnostic]]
                             "Anchors and aliases may not expand the file past "
                             f"{MAX_NODES:,} values or {MAX_DEPTH} levels of nesting.",
                             range=SourceRange(filename, exc.pos, exc.pos))]
-    doc = Document(filename, text, data, _Marks(root, filename))
+    doc = Document(filename, text, data, _Marks(text, filename))
     return doc, builder.diagnostics
 
 
