@@ -1,9 +1,9 @@
 """Draining a cluster member around its replacement, `fleet apply`'s side: the member is taken out
 of routing (new requests go to the others), its requests in flight finish up to a grace period,
 and after its new server runs it is handed back and admitted by `fleet serve` before the next
-member goes. The two processes meet on a DrainBoard: the state store's drains table today
-(state_store.DrainRows, watched by serve/drains.py); a store with notifications can take its place
-behind the same protocol. docs/ARCHITECTURE.md says why."""
+member goes. The two processes meet on a DrainBoard: the state store's drains table
+(state_drains.DrainRows, watched by serve/drains.py: polled on SQLite, notified on PostgreSQL).
+docs/ARCHITECTURE.md says why."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol
 import trio
 
 from .plan import Change
-from .state_store import Drain
+from .state_drains import Drain
 
 GRACE_S = 30.0  # the longest a request in flight on a drained member is waited for
 ACK_S = 2.0  # serve looks every 50 ms: silence this long means no `fleet serve` routes to it
@@ -24,7 +24,7 @@ POLL_S = 0.05
 
 
 class DrainBoard(Protocol):
-    """Where apply asks and serve answers (state_store.DrainRows)."""
+    """Where apply asks and serve answers (state_drains.DrainRows)."""
 
     def ask(self, drain: Drain) -> None: ...
     def set_phase(self, server_id: str, phase: str) -> None: ...

@@ -13,7 +13,8 @@ from urllib.parse import unquote, urlsplit
 
 from .state_pg import redact
 from .state_sql import Sql, StateError, StoreTooNew
-from .state_store import ApplyLedger, DrainRows, ServeRecord, StateStore, default_state_dir
+from .state_drains import DrainRows
+from .state_store import ApplyLedger, ServeRecord, StateStore, default_state_dir
 
 ENV = "FLEET_STATE_URL"
 SCHEMES = ("sqlite", "postgresql", "postgres")

@@ -15,7 +15,8 @@ from urllib.parse import urlsplit, urlunsplit
 import trio
 
 from .state_sql import Rows, Sql, StateError, migrate
-from .state_store import ApplyLedger, DrainRows, ServeRecord
+from .state_drains import DrainRows
+from .state_store import ApplyLedger, ServeRecord
 
 if TYPE_CHECKING:
     import psycopg

@@ -9,7 +9,7 @@ from typing import Any, Awaitable, Callable, Collection, Protocol
 
 import trio
 
-from ..state_store import Drain
+from ..state_drains import Drain
 from .heartbeat import View, utc_now
 
 log = logging.getLogger("fleet")
@@ -19,7 +19,7 @@ IDLE_S = 1.0  # with notifications, the longest between two looks while nothing 
 
 
 class WatchBoard(Protocol):
-    """What serve reads and writes of the board (state_store.DrainRows, on either store)."""
+    """What serve reads and writes of the board (state_drains.DrainRows, on either store)."""
 
     def changed(self) -> bool: ...
     def active(self) -> list[Drain]: ...

@@ -16,7 +16,8 @@ from ..client import AgentClient
 from ..model import Desired
 from ..observe import observer
 from ..state_pg import SharedStore, store_errors
-from ..state_store import DrainRows, ServeRecord
+from ..state_drains import DrainRows
+from ..state_store import ServeRecord
 from .drains import DrainWatcher
 from .leader import Roles
 from ..transport import SocketTransport
