@@ -58,12 +58,18 @@ def _secret() -> bytes:
 
 
 def _weights_key(args: argparse.Namespace) -> Key | None:
-    """The node's weights key (--key-file, $FLEET_WEIGHTS_KEY_FILE or $FLEET_WEIGHTS_KEY); both
-    variables are removed at once, so that no worker inherits the key or where it is."""
-    from .sealed import KEY_ENV, KEY_FILE_ENV, KeyProblem, load_key
+    """The node's weights key (--key-file or $FLEET_WEIGHTS_KEY_FILE; $FLEET_WEIGHTS_KEY is refused).
+    Once one is held the process is made undumpable (sealed.guard_process): no worker can read its
+    memory, its descriptors (the decrypted models' memfds) or its environment through /proc."""
+    from .sealed import KEY_ENV, KEY_FILE_ENV, KeyProblem, guard_process, load_key
 
     try:
-        return load_key(args.key_file, os.environ)
+        key = load_key(args.key_file, os.environ)
+        if key is not None:
+            guard_process()
+        return key
+    except OSError as exc:
+        raise Refused(f"cannot guard the process holding the weights key: {exc.strerror or exc}") from None
     except KeyProblem as exc:
         raise Refused(str(exc)) from None
     finally:  # no worker needs to know where the key is either
@@ -260,7 +266,7 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     home_help = f"the agent's home: identity and weights (default: $FLEET_AGENT_HOME, else {DEFAULT_HOME})"
     key_help = ("the weights key for encrypted models: 32 bytes, raw or as 64 hex digits, in a file only its owner "
-                "reads (default: $FLEET_WEIGHTS_KEY_FILE, else the key itself in $FLEET_WEIGHTS_KEY)")
+                "(the agent's user) reads (default: $FLEET_WEIGHTS_KEY_FILE)")
 
     p = sub.add_parser("enroll", help="write this node's identity, once",
                        description="Write this node's identity (a random id, its name, when, the agent "

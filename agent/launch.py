@@ -8,6 +8,7 @@ import ctypes
 import errno
 import importlib.util
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -76,10 +77,12 @@ class Launcher(Protocol):
     def port_problem(self, host: str, port: int) -> str | None:
         """Why a server could not listen on host:port ("in use", ...), or None when it could."""
 
-    def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str]) -> Process:
+    def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str], keep_fds: Sequence[int] = ()) -> Process:
         """Start argv with stdout and stderr appended to `log` and `env` added to the agent's own
-        environment (what must not be on a command line: the worker's credential); OSError if it
-        cannot be started."""
+        environment less its FLEET_* variables (worker_environment; `env` carries what must not be on
+        a command line: the worker's credential); `keep_fds` are descriptors the worker inherits at
+        the same numbers (an encrypted model's memfds), and such a worker never dumps core; OSError
+        if it cannot be started."""
 
     async def answers(self, url: str, credential: str) -> bool:
         """Whether a GET of url, sent with the worker's credential, answers 200 now (False when
@@ -92,6 +95,19 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _die_with_parent_no_core() -> None:
+    # A worker holding decrypted weights: a core file would write them to disk.
+    _die_with_parent()
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def worker_environment(agent: Mapping[str, str]) -> dict[str, str]:
+    """The agent's environment less every FLEET_* variable (the cluster secret, where the weights key
+    is, the agent's home): what an engine needs (PATH, caches, CUDA_*, HF_*, LD_LIBRARY_PATH...) is
+    kept, as an allowlist could not know every engine's; the worker's own credential is added after."""
+    return {k: v for k, v in agent.items() if not k.startswith("FLEET_")}
 
 
 class PopenProcess:
@@ -147,13 +163,16 @@ class ProcessLauncher:
                 return "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
         return None
 
-    def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str]) -> PopenProcess:
+    def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str],
+               keep_fds: Sequence[int] = ()) -> PopenProcess:
         with open(log, "ab") as out:
             # Call this from the event loop's own thread, on purpose: PR_SET_PDEATHSIG fires when the
             # *thread* that forked the child exits, and trio's open_process forks from a worker
             # thread that idles out after a few seconds, killing healthy servers.
             proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    preexec_fn=_die_with_parent, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
+                                    preexec_fn=_die_with_parent_no_core if keep_fds else _die_with_parent,
+                                    pass_fds=tuple(keep_fds),
+                                    env={**worker_environment(os.environ), **env, "PYTHONUNBUFFERED": "1"})
         return PopenProcess(proc)
 
     async def answers(self, url: str, credential: str) -> bool:

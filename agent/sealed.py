@@ -1,5 +1,5 @@
-"""Weights encrypted at rest: the node's key (a file or an environment variable, never the network)
-and the sealed file format, AES-256-GCM in chunks from the `cryptography` package.
+"""Weights encrypted at rest: the node's key (a file, never the environment nor the network), the
+process guard of whoever holds it, and the sealed file format, AES-256-GCM in chunks (`cryptography`).
 
 A sealed file is a 20-byte header (magic, a random 8-byte nonce prefix, the chunk size) and then the
 plaintext in chunks of that size, each encrypted with its own nonce (the prefix and the chunk's
@@ -10,8 +10,10 @@ authentication. An empty file is one final chunk of nothing (its tag alone)."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
+import sys
 import re
 import struct
 from dataclasses import dataclass
@@ -30,7 +32,11 @@ HEADER = struct.Struct(">8s8sI")  # magic, nonce prefix, chunk size
 TAG_BYTES = 16
 MAX_CHUNK = 64 << 20
 KEY_FILE_ENV = "FLEET_WEIGHTS_KEY_FILE"
-KEY_ENV = "FLEET_WEIGHTS_KEY"  # the key itself, 64 hex digits; removed from the environment once read
+# The key itself in the environment is refused: /proc/PID/environ keeps it for the process's life,
+# whatever os.environ.pop does, and every worker started before the pop would inherit it.
+KEY_ENV = "FLEET_WEIGHTS_KEY"
+MAX_KEY_FILE = 4096
+PR_SET_DUMPABLE = 4
 _HEX_KEY = re.compile(rb"^\s*([0-9a-fA-F]{64})\s*\Z")
 
 
@@ -76,26 +82,47 @@ def parse_key(raw: bytes, where: str) -> Key:
 
 
 def read_key_file(path: Path) -> Key:
+    """The key in a regular file of this user's, readable by no one else, of a key's size."""
     try:
-        st = path.stat()
-        raw = path.read_bytes()
+        with open(path, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            raw = fh.read(MAX_KEY_FILE + 1)
     except OSError as exc:
         raise KeyProblem(f"cannot read the weights key file {path}: {exc.strerror or exc}") from None
+    if st.st_uid != os.geteuid():
+        raise KeyProblem(f"the weights key file {path} belongs to uid {st.st_uid}, not to this agent's user "
+                         f"(uid {os.geteuid()}); chown it")
     if st.st_mode & 0o077:
         raise KeyProblem(f"the weights key file {path} is readable by others (mode {st.st_mode & 0o777:o}); "
                          f"chmod 600 {path}")
+    if len(raw) > MAX_KEY_FILE:
+        raise KeyProblem(f"the weights key file {path} is over {MAX_KEY_FILE} bytes: not a key file")
     return parse_key(raw, f"the weights key file {path}")
 
 
 def load_key(path: str | None, environ: Mapping[str, str]) -> Key | None:
-    """The node's key: --key-file, else $FLEET_WEIGHTS_KEY_FILE, else $FLEET_WEIGHTS_KEY; None when
-    none is given. The caller removes FLEET_WEIGHTS_KEY from its environment so no worker inherits it."""
-    chosen = path or environ.get(KEY_FILE_ENV)
-    if chosen:
-        return read_key_file(Path(chosen))
+    """The node's key: --key-file, else $FLEET_WEIGHTS_KEY_FILE; None when none is given. A key in
+    $FLEET_WEIGHTS_KEY is refused (see KEY_ENV)."""
     if environ.get(KEY_ENV):
-        return parse_key(environ[KEY_ENV].encode(), f"${KEY_ENV}")
-    return None
+        raise KeyProblem(f"${KEY_ENV} is not read: a key in the environment stays readable in /proc/PID/environ "
+                         f"for the agent's whole life; put it in a file (chmod 600) and give --key-file PATH or "
+                         f"${KEY_FILE_ENV}, and unset ${KEY_ENV}")
+    chosen = path or environ.get(KEY_FILE_ENV)
+    return read_key_file(Path(chosen)) if chosen else None
+
+
+def guard_process() -> bool:
+    """Make this process undumpable (Linux prctl PR_SET_DUMPABLE 0) once it holds a key: no process of
+    its user without CAP_SYS_PTRACE (a worker, say) can then read its /proc/PID/{environ,mem}, open
+    its /proc/PID/fd/N (the memfds of decrypted models) or ptrace it, and it never dumps core. Root
+    and the ptrace-capable still can. False where the platform has no such guard."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_DUMPABLE, 0): {os.strerror(err)}")
+    return True
 
 
 def manifest_block(key: Key, chunk: int = CHUNK_BYTES) -> dict[str, object]:

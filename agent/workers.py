@@ -12,7 +12,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import trio
 
@@ -230,7 +230,8 @@ class Workers:
                                                         "holds it")
             launch_settings = {**launch_settings, "pipeline": details, "reason_file": str(reason_file)}
         unsealer = self.unsealer if "encryption" in entry else None
-        model_path = unsealer.model_path(sid, entry) if unsealer is not None else entry["path"]
+        opened = unsealer.prepare(sid, entry) if unsealer is not None else None  # its own links per start
+        model_path = opened.path if opened is not None else entry["path"]
         try:
             command = spec.command(model_path, host, port, launch_settings, self._model_path)
         except BadSettings as exc:
@@ -244,16 +245,18 @@ class Workers:
             server.pipeline = {"group": details["group"], "rank": details["rank"], "world_size": details["world_size"]}
             server.reason_file = reason_file
         self.servers[sid] = server
-        if unsealer is not None:  # decrypted into memory first; a wrong key or tampered weights fail it
-            self.spawn(unsealer.run, server, entry, functools.partial(self._supervise, server, spec))
+        if unsealer is not None and opened is not None:  # decrypted into memory first; a wrong key or
+            # tampered weights fail it
+            self.spawn(unsealer.run, server, opened, entry, functools.partial(self._supervise, server, spec))
         else:
             self.spawn(self._supervise, server, spec)
         return server
 
-    async def _supervise(self, server: Server, spec: LaunchSpec) -> None:
+    async def _supervise(self, server: Server, spec: LaunchSpec, keep_fds: Sequence[int] = ()) -> None:
         timeout = float(server.settings.get("startup_timeout_s") or DEFAULT_STARTUP_TIMEOUT_S)
         try:
-            proc = self.launcher.launch(server.argv, server.log, {WORKER_CREDENTIAL_ENV: server.credential})
+            proc = self.launcher.launch(server.argv, server.log, {WORKER_CREDENTIAL_ENV: server.credential},
+                                        keep_fds)
         except OSError as exc:
             server.state, server.reason = "failed", f"could not start {server.argv[0]}: {exc}"
             return

@@ -89,27 +89,31 @@ def test_verification_with_and_without_the_key(tmp_path: Path, model: Path) -> N
 def test_the_unsealer_serves_read_only_memfds_of_the_plaintext(tmp_path: Path, model: Path) -> None:
     store = Store(tmp_path, KEY)
     digest, manifest = store.import_model(model, "tiny", encrypt=True)
+    (tmp_path / "servers").mkdir()
     unsealer = Unsealer(store, tmp_path / "servers")
     entry = store.entry(digest)
-    fds = unsealer.open("s@cp", entry)
+    opened = unsealer.prepare("s@cp", entry)
+    unsealer.open(opened, entry)
     try:
-        links = Path(unsealer.model_path("s@cp", entry))
+        links = Path(opened.path)
+        assert links.parent == tmp_path / "servers" and links.name.startswith("s@cp.")
         assert sorted(p.name for p in links.iterdir()) == sorted(f["path"] for f in manifest["files"])
         for f in manifest["files"]:
             link = links / f["path"]
-            assert os.readlink(link).startswith(f"/proc/{os.getpid()}/fd/")
+            # resolved in the process that follows it: only one holding that descriptor (the worker) reads it
+            assert os.readlink(link).startswith("/proc/self/fd/")
             assert link.read_bytes() == (model / f["path"]).read_bytes()
         with pytest.raises(OSError) as exc:
-            os.pwrite(fds[0], b"x", 0)
+            os.pwrite(opened.fds[0], b"x", 0)
         assert exc.value.errno == errno.EPERM  # sealed: an engine cannot change what it serves
     finally:
-        unsealer.close("s@cp", fds)
-    assert not (tmp_path / "servers" / "s@cp.sealed").exists()
+        unsealer.close(opened)
+    assert list((tmp_path / "servers").iterdir()) == []
     with pytest.raises(Refusal, match=f"^{KEY_MISSING}: model tiny .*under key {KEY.id}.*holds no weights key"):
-        Unsealer(Store(tmp_path), tmp_path / "servers").open("s@cp", entry)
+        Unsealer(Store(tmp_path), tmp_path / "servers").open(opened, entry)
     other = make_key(bytes(range(1, 33)))
     with pytest.raises(Refusal, match=f"under key {KEY.id}, but this agent holds key {other.id}"):
-        Unsealer(Store(tmp_path, other), tmp_path / "servers").open("s@cp", entry)
+        Unsealer(Store(tmp_path, other), tmp_path / "servers").open(opened, entry)
 
 
 def test_a_file_swapped_for_another_models_is_refused(tmp_path: Path, model: Path) -> None:
@@ -120,9 +124,11 @@ def test_a_file_swapped_for_another_models_is_refused(tmp_path: Path, model: Pat
     target = store.model_dir(digest) / "config.json"
     target.unlink()
     os.link(store.model_dir(other) / "config.json", target)
+    (tmp_path / "servers").mkdir()
+    unsealer = Unsealer(store, tmp_path / "servers")
     with pytest.raises(Refusal, match=f"^{TAMPERED}: model tiny .*config.json: decrypts to sha256"):
-        Unsealer(store, tmp_path / "servers").open("s@cp", store.entry(digest))
-    assert not (tmp_path / "servers" / "s@cp.sealed").exists()
+        unsealer.open(unsealer.prepare("s@cp", store.entry(digest)), store.entry(digest))
+    assert list((tmp_path / "servers").iterdir()) == []
 
 
 def test_an_encrypted_draft_model_is_refused(tmp_path: Path, model: Path) -> None:

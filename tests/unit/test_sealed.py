@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.sealed import (HEADER, KEY_ENV, KEY_FILE_ENV, TAG_BYTES, Key, KeyProblem, Unsealable, load_key, make_key,
-                          parse_key, seal_bytes, unseal)
+from agent.sealed import (HEADER, KEY_ENV, KEY_FILE_ENV, MAX_KEY_FILE, TAG_BYTES, Key, KeyProblem, Unsealable, load_key,
+                          make_key, parse_key, seal_bytes, unseal)
 
 KEY = make_key(bytes(range(32)))
 OTHER = make_key(bytes(range(1, 33)))
@@ -100,18 +100,29 @@ def test_key_file_must_be_private(tmp_path: Path) -> None:
     assert load_key(str(path), {}) is not None
     with pytest.raises(KeyProblem, match="cannot read"):
         load_key(str(tmp_path / "missing"), {})
+    big = tmp_path / "big"
+    big.write_bytes(b"0" * (MAX_KEY_FILE + 1))
+    big.chmod(0o600)
+    with pytest.raises(KeyProblem, match=f"over {MAX_KEY_FILE} bytes"):
+        load_key(str(big), {})
+    if os.geteuid() == 0:  # root can give a file away; an unprivileged user cannot, so nothing to check
+        os.chown(path, 65534, 65534)
+        with pytest.raises(KeyProblem, match="belongs to uid 65534, not to this agent's user"):
+            load_key(str(path), {})
 
 
-def test_key_sources_in_order(tmp_path: Path) -> None:
+def test_key_sources_in_order_and_never_the_environment(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     for p in (a, b):
         p.write_bytes(os.urandom(32))
         p.chmod(0o600)
-    env = {KEY_FILE_ENV: str(b), KEY_ENV: os.urandom(32).hex()}
-    assert load_key(str(a), env) == parse_key(a.read_bytes(), "a")
-    assert load_key(None, env) == parse_key(b.read_bytes(), "b")
-    assert load_key(None, {KEY_ENV: env[KEY_ENV]}) == parse_key(env[KEY_ENV].encode(), "env")
+    assert load_key(str(a), {KEY_FILE_ENV: str(b)}) == parse_key(a.read_bytes(), "a")
+    assert load_key(None, {KEY_FILE_ENV: str(b)}) == parse_key(b.read_bytes(), "b")
     assert load_key(None, {}) is None
+    # The key itself in the environment stays in /proc/PID/environ: refused, saying what to do.
+    for given in (str(a), None):
+        with pytest.raises(KeyProblem, match=f"\\${KEY_ENV} is not read: .*--key-file PATH"):
+            load_key(given, {KEY_FILE_ENV: str(b), KEY_ENV: os.urandom(32).hex()})
 
 
 @settings(max_examples=60, deadline=None)
