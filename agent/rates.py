@@ -86,6 +86,13 @@ class Rates:
         except OSError as exc:
             log.warning("could not keep link rates in %s: %s", self.path, exc)
 
+    def seconds_for(self, peer: str, nbytes: int) -> float | None:
+        """How long `nbytes` from `peer` take at its recent rate; None with no measurement yet."""
+        kept = self.samples.get(peer_key(peer))
+        if not kept:
+            return None
+        return nbytes * sum(s.seconds for s in kept) / sum(s.bytes for s in kept)
+
     def to_json(self) -> list[LinkRate]:
         """Per peer, the rate of its recent fetches taken together (their bytes over their seconds:
         the estimator of how long the next bytes take, which an average of rates is not)."""

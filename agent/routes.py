@@ -4,6 +4,7 @@ given; every refusal answers {"error": {"code", "message"}} with a stable code."
 from __future__ import annotations
 
 import re
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
 
 import trio
@@ -46,6 +47,23 @@ def outside_window(ctx: AgentContext) -> JSONResponse | None:
     return error_response(409, "outside_availability_window",
                           f"{ctx.identity.name} is outside its availability window ({', '.join(avail['windows'])}) "
                           f"at its local time {now:%H:%M}; no new work starts before {avail['next_starts_at']}")
+
+
+def past_window(ctx: AgentContext, peer: str, nbytes: object) -> JSONResponse | None:
+    """A fetch of `nbytes` (the plan's figure, when the asker gives it) that would end after the
+    window the node is in closes, at the rate this agent measured from `peer`: refused before it
+    starts, as the planner refuses it, for a plan applied later than it was made."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        return None
+    seconds = ctx.fetcher.rates.seconds_for(peer, nbytes)
+    now = ctx.clock()
+    ends = status(ctx.windows, now)["current_ends_at"]
+    if seconds is None or ends is None or now + timedelta(seconds=seconds) <= datetime.fromisoformat(ends):
+        return None
+    return error_response(409, "replication_exceeds_window",
+                          f"fetching {nbytes:,} bytes from {peer} takes ~{seconds:.0f} s at the rate {ctx.identity.name} "
+                          f"measured, ending {now + timedelta(seconds=seconds):%H:%M}, after its availability window "
+                          f"({', '.join(str(w) for w in ctx.windows)}) closes at {datetime.fromisoformat(ends):%H:%M}")
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
@@ -113,6 +131,8 @@ class Weights:
         peer = body.get("peer")
         if not isinstance(peer, str) or not PEER_URL.match(peer):
             return error_response(400, "bad_peer", "peer must be an agent URL such as http://10.0.0.2:7070")
+        if (refused := past_window(self.ctx, peer, body.get("bytes"))) is not None:
+            return refused
         name = body.get("name", "")
         if not isinstance(name, str) or len(name) > 256 or "\x00" in name:
             return error_response(400, "bad_request", "name must be a string of at most 256 characters")

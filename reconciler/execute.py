@@ -228,6 +228,8 @@ class Executor:
     async def replicate(self, c: Change, tally: _Tally) -> str:
         node, digest, peer = self.d.nodes[c.node], c.details["digest"], c.details["peer"]
         body: dict[str, Any] = {"peer": self.d.nodes[peer].agent_url, "name": c.details["model"]}
+        if "bytes" in c.details:  # the plan's figure: the agent refuses a fetch its window cannot hold
+            body["bytes"] = c.details["bytes"]
         if c.details.get("layers"):
             body.update(layers=c.details["layers"], source_digest=c.details["source_digest"])
         resumes = 0

@@ -45,3 +45,20 @@ def test_new_work_is_refused_outside_the_window_only(tmp_path: Path, method: str
     inside = ask(tmp_path, datetime(2026, 11, 30, 23, 30, tzinfo=TZ), method, path, body)
     # Inside, the request goes on to its own checks (a bad peer; a model not held).
     assert inside.json()["error"]["code"] in ("bad_peer", "model_not_held"), inside.text
+
+
+def test_a_fetch_that_would_end_after_the_window_closes_is_refused(tmp_path: Path) -> None:
+    """At 06:50 with the window closing at 07:00, 1 GB at the 1 MB/s this agent measured from the
+    peer takes ~17 min: refused (the planner's figure, sent as `bytes`); 100 MB takes 100 s: fetched."""
+    from agent.rates import Rates
+
+    (tmp_path / "store").mkdir()
+    Rates(tmp_path / "store" / "link-rates.json").record("http://10.0.0.1:7070", 50_000_000, 50.0)
+    now = datetime(2026, 11, 30, 6, 50, tzinfo=TZ)
+    r = ask(tmp_path, now, "PUT", f"/v1/weights/{DIGEST}", {"peer": "http://10.0.0.1:7070", "bytes": 1_000_000_000})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "replication_exceeds_window", r.text
+    assert r.json()["error"]["message"] == (
+        "fetching 1,000,000,000 bytes from http://10.0.0.1:7070 takes ~1000 s at the rate gpu-a measured, ending "
+        "07:06, after its availability window (19:00-07:00) closes at 07:00")
+    fits = ask(tmp_path, now, "PUT", f"/v1/weights/{DIGEST}", {"peer": "http://10.0.0.1:7070", "bytes": 100_000_000})
+    assert fits.status_code == 202, fits.text
