@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -251,6 +252,21 @@ def create_app(served: Served) -> Starlette:
                      exception_handlers={HTTPException: http_error, Exception: crash})
 
 
+def release_sealed() -> int:
+    """Close the memfds of an encrypted model the agent handed over (agent/unseal.py), once loaded:
+    the tensors hold the weights now (or map those pages, which a mapping keeps), and the descriptors
+    would keep a second copy of the plaintext in memory for the server's life. How many were closed."""
+    closed = 0
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:fleet:"):
+                os.close(int(name))
+                closed += 1
+        except OSError:
+            continue
+    return closed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="torch_worker")
     ap.add_argument("--model", required=True)
@@ -277,6 +293,7 @@ def main() -> None:
     print(json.dumps({"event": "loaded", "model": args.model, "device": str(served.device),
                       "dtype": str(served.model.dtype).removeprefix("torch."),
                       "context_length": served.context_length}), file=sys.stderr, flush=True)
+    release_sealed()
 
     from hypercorn.config import Config
     from hypercorn.trio import serve

@@ -190,9 +190,25 @@ def test_planned_applied_served_and_never_on_disk(sealed: Sealed) -> None:
     held = fd_targets(sealed.agent.proc.pid)
     assert any("memfd:fleet:tiny-llama.gguf" in h for h in held), held
     assert not any("memfd:fleet:model.safetensors" in h for h in held), held
-    for server in sealed.agent.get("/v1/state").json()["servers"]:  # nor where it is, nor in argv
-        assert b"FLEET_WEIGHTS_KEY" not in Path(f"/proc/{server['pid']}/environ").read_bytes()
-        assert str(sealed.key).encode() not in Path(f"/proc/{server['pid']}/cmdline").read_bytes()
+    # Nor is the key in the agent's own environment, which /proc keeps whatever os.environ says.
+    secret = sealed.key.read_bytes()
+    environ = Path(f"/proc/{sealed.agent.proc.pid}/environ").read_bytes()
+    assert secret not in environ and secret.hex().encode() not in environ and b"FLEET_WEIGHTS_KEY=" not in environ
+    for server in sealed.agent.get("/v1/state").json()["servers"]:
+        pid = server["pid"]
+        # A worker has nothing of fleet's environment (the cluster secret, where the key is) but its
+        # credential, nothing of the key on its command line, and no core file to write plaintext to.
+        fleet_vars = {v.split(b"=", 1)[0] for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                      if v.startswith(b"FLEET_")}
+        assert fleet_vars == {b"FLEET_WORKER_CREDENTIAL"}, fleet_vars
+        assert str(sealed.key).encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        core = [line.split()[-3:-1] for line in Path(f"/proc/{pid}/limits").read_text().splitlines()
+                if line.startswith("Max core file size")]
+        assert core == [["0", "0"]], core
+        # Its own model's memfd and no other: llama.cpp's kept, PyTorch's closed once loaded.
+        memfds = [t for t in fd_targets(pid) if "memfd:fleet:" in t]
+        want = ["tiny-llama.gguf"] if server["id"] == "q@cp" else []
+        assert [t.split("memfd:fleet:")[1].split()[0] for t in memfds] == want, (server["id"], memfds)
     # The scanner finds the runs where they are (the originals), and nowhere the node keeps anything.
     found = scan([sealed.models], sealed.needles)
     assert {int(hit.rsplit(" ", 1)[1]) for hit in found} == set(range(len(sealed.needles))), found
