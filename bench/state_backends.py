@@ -8,7 +8,8 @@ each over --rounds:
   committed (PostgreSQL: sent from a worker thread, pipelined): the first beat (a row per node and
   member), a quiet beat (only the seen-at stamps), a beat where every node changed;
 - PostgreSQL only: from a committed beat to a listening `fleet serve` being woken (NOTIFY), and
-  from a leader's connection closing to another process holding the leadership lock.
+  from a leader's connection closing to another process holding the leadership lock, and from a
+  holder's SIGKILL to the next apply holding the apply lock.
 
     .venv/bin/python bench/state_backends.py [--nodes 1000] [--rounds 5]
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -128,9 +130,32 @@ def notify_and_takeover(a: SharedStore, b: Store, rounds: int) -> None:
             time.sleep(0.001)
         takeovers.append(time.perf_counter() - start)
         follower.close()
+    killed = []
+    for _ in range(rounds):
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, a.url], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        start = time.perf_counter()
+        holder.kill()
+        lock, taken = b.applies.acquire("fleet apply (after a SIGKILL)")
+        killed.append(time.perf_counter() - start)
+        assert taken is not None
+        b.applies.release(lock.id)
+        holder.wait()
+    print(f"{'':10} apply lock taken {statistics.median(killed) * 1000:.1f} ms after its holder's SIGKILL")
     print(f"{'':10} NOTIFY: commit to a listener woken {statistics.median(woken) * 1000:.2f} ms | leader's "
           f"connection closed to another leading {statistics.median(takeovers) * 1000:.1f} ms (polling every 1 ms; "
           "fleet serve polls every interval/4)")
+
+
+# A process holding the apply lock until killed (what a SIGKILLed `fleet apply` leaves).
+HOLDER = """
+import sys, time
+from reconciler.state_backend import open_state
+store = open_state(sys.argv[1])
+store.applies.acquire("fleet apply (to be killed)")
+print("held", flush=True)
+time.sleep(60)
+"""
 
 
 def main() -> None:
