@@ -27,8 +27,8 @@ log = logging.getLogger("fleet")
 KEY = 0x666C6565
 APPLY, LEAD, MIGRATE = 1, 2, 3
 LOCK_WAIT_MS = 500  # how long an apply waits for the lock before it is refused
-APP_NAME = "fleet-apply:"
-SERVE_NAME = "fleet-serve:"  # and each `fleet serve`'s main session says its name  # the session holding the apply lock says its lock id in application_name
+APP_NAME = "fleet-apply:"  # the session holding the apply lock says its lock id in application_name
+SERVE_NAME = "fleet-serve:"  # and each `fleet serve`'s main session says its name
 CONNECT_TIMEOUT_S = 10
 # The server ends a session whose client host vanished (power cut, partition) after about 25 s,
 # and with it the locks it held: the default would wait two hours.
@@ -36,13 +36,13 @@ KEEPALIVE = ("SET tcp_keepalives_idle = 10", "SET tcp_keepalives_interval = 5", 
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
+    """The URL without its password (in the address or as ?password=), for messages and logs."""
     parts = urlsplit(url)
-    if parts.password is None:
+    if parts.password is None and "password=" not in parts.query:
         return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    if parts.password is not None:
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rsplit('@', 1)[1]}")
+    return urlunsplit(parts._replace(query=re.sub(r"(^|&)password=[^&]*", r"\1password=***", parts.query)))
 
 
 def _driver() -> Any:

@@ -372,3 +372,15 @@ def test_an_apply_whose_session_ended_is_told_before_it_applies(backend: tuple[s
     assert not apply.applies.release(lock.id)  # nothing left to release: the lock went with the session
     mine, taken = other.applies.acquire("fleet apply")
     assert taken == lock
+
+
+def test_a_password_never_reaches_a_message() -> None:
+    from reconciler.state_pg import redact
+
+    assert redact("postgresql://fleet:hunter2@db:5432/fleet") == "postgresql://fleet:***@db:5432/fleet"
+    assert redact("postgresql://fleet@db/fleet?sslmode=require&password=hunter2") == \
+        "postgresql://fleet@db/fleet?sslmode=require&password=***"
+    assert redact("sqlite:///var/lib/fleet") == "sqlite:///var/lib/fleet"
+    with pytest.raises(StateError) as refused:
+        open_state("postgresql://fleet:hunter2@127.0.0.1:1/fleet")
+    assert "hunter2" not in str(refused.value) and refused.value.code == "state_unreachable"
