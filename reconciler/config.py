@@ -108,7 +108,7 @@ class _Checker:
         cp = self.data["control_plane"]["node"]
         self.node_ref(cp, ("control_plane", "node"), "control_plane.node")
         state = self.data["control_plane"].get("state")
-        if isinstance(state, str) and urlsplit(state).password is not None:
+        if isinstance(state, str) and (urlsplit(state).password is not None or "password=" in urlsplit(state).query):
             self.add("state_password_in_file", ("control_plane", "state"),
                      "control_plane.state holds a password: fleet.yaml is shared and kept in version control",
                      "Remove it from the URL; PostgreSQL takes it from PGPASSWORD or ~/.pgpass (libpq).")

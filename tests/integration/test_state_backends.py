@@ -210,10 +210,10 @@ def test_the_commands_find_the_store_named_in_the_fleet_file(backend: tuple[str,
 
 def test_a_password_in_the_fleet_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "fleet.yaml"
-    path.write_text("version: 1\ncontrol_plane: {node: cp, state: 'postgresql://fleet:hunter2@db/fleet'}\n"
-                    "nodes:\n  cp: {address: 127.0.0.2}\n")
-    code, out, err = _fleet(capsys, "validate", "-f", str(path))
-    assert code == 3 and "state_password_in_file" in out + err and "control_plane.state" in out + err
+    for url in ("postgresql://fleet:hunter2@db/fleet", "postgresql://fleet@db/fleet?password=hunter2"):
+        path.write_text(f"version: 1\ncontrol_plane: {{node: cp, state: '{url}'}}\nnodes:\n  cp: {{address: 127.0.0.2}}\n")
+        code, out, err = _fleet(capsys, "validate", "-f", str(path))
+        assert code == 3 and "state_password_in_file" in out + err and "control_plane.state" in out + err
 
 
 def test_unlock_refuses_a_lock_whose_session_lives(backend: tuple[str, str], opened: Opener,
