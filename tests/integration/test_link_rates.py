@@ -58,7 +58,7 @@ def fleet_file(base: Path, a: Agent, b: Agent, digests: dict[str, str], replicas
 control_plane: {{node: a}}
 nodes:
   a: {{address: {a.address}, agent_port: {a.port}}}
-  b: {{address: {b.address}, agent_port: {b.port}}}
+  {b.name}: {{address: {b.address}, agent_port: {b.port}}}
 models:
   m1: {{format: gguf, digest: "{digests['m1']}", source: a}}
   m2: {{format: gguf, digest: "{digests['m2']}", source: a}}
@@ -126,3 +126,35 @@ def test_work_outside_the_agents_window_is_refused_on_its_api(pair: tuple[Agent,
         assert c.get("/v1/state").json()["fetches"] == []
     finally:
         c.stop()
+
+
+def test_a_fetch_past_the_window_is_refused_by_plan_apply_and_agent(
+        pair: tuple[Agent, Agent, dict[str, str], Path], tmp_path: Path) -> None:
+    """A node whose window closes within two minutes, and whose earlier fetches from `a` ran at
+    50 kB/s (its kept measurements, as a slow link leaves them): 64 MB would take ~21 min."""
+    from agent.rates import Rates
+
+    a, _, digests, base = pair
+    now = datetime.now().astimezone()
+    window = f"{now - timedelta(hours=1):%H:%M}-{now + timedelta(minutes=2):%H:%M}"
+    home = tmp_path / "d"
+    (home / "store").mkdir(parents=True)
+    Rates(home / "store" / "link-rates.json").record(a.url, 5_000_000, 100.0)
+    d = Agent("d", "127.0.0.4", a.port, home, args=["--available", window]).start()
+    try:
+        path = fleet_file(tmp_path, a, d, digests, "  m1: [d]")
+        env = agent_env(FLEET_STATE_DIR=str(tmp_path / "state"))
+        for command in (["plan"], ["apply", "--auto-approve"]):
+            proc = subprocess.run([fleet_bin(), *command, "-f", str(path)], capture_output=True, text=True,
+                                  timeout=120, env=env, stdin=subprocess.DEVNULL)
+            out = proc.stdout + proc.stderr
+            assert proc.returncode == 4, out  # a plan error refuses the whole plan
+            assert "replication_exceeds_window" in out and f"d's availability window ({window}, the agent's own)" in out
+            assert "at 50.0 kB/s (measured)" in out and "replica.m1@d" in out
+        assert d.get("/v1/state").json()["weights"] == []
+        size = a.get(f"/v1/weights/{digests['m1']}").json()["bytes"]
+        r = httpx.put(f"{d.url}/v1/weights/{digests['m1']}", json={"peer": a.url, "bytes": size}, headers=AUTH,
+                      timeout=30)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "replication_exceeds_window", r.text
+    finally:
+        d.stop()
