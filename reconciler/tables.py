@@ -12,7 +12,7 @@ from typing import Any
 from . import config
 from .exitcodes import Exit
 from .model import NodeSpec
-from .node_notes import build_findings
+from .node_notes import build_findings, rate_text
 from .observed import ObservedNode, node_from_state
 from .outcome import Failure, print_json
 from .render import JSON_FORMAT_VERSION, console
@@ -62,8 +62,18 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f}"
 
 
-def _columns(name: str, seen: ObservedNode | None, spec: NodeSpec | None, wide: bool) -> list[str]:
-    """GPUS, MODELS and, when wide, ADDRESS … WINDOWS of one node ("-" where nothing was seen)."""
+def _links(seen: ObservedNode, specs: dict[str, NodeSpec]) -> str:
+    """The rates the node measured on its recent fetches, per peer (by name when the file has it)."""
+    names = {f"[{s.address}]:{s.agent_port}" if ":" in s.address else f"{s.address}:{s.agent_port}": n
+             for n, s in specs.items()}
+    rates = (seen.state or {}).get("link_rates") or []
+    return ", ".join(f"{names.get(r['peer'], r['peer'])} {rate_text(r['bytes_per_s'])} ({r['samples']})"
+                     for r in rates) or "-"
+
+
+def _columns(name: str, seen: ObservedNode | None, spec: NodeSpec | None, wide: bool,
+             specs: dict[str, NodeSpec] | None = None) -> list[str]:
+    """GPUS, MODELS and, when wide, ADDRESS … LINKS of one node ("-" where nothing was seen)."""
     if seen is None:
         seen = ObservedNode(name)
     gpus = ", ".join(f"{_gib(free)}/{_gib(total)}" for _, free, total in seen.gpus)
@@ -73,7 +83,7 @@ def _columns(name: str, seen: ObservedNode | None, spec: NodeSpec | None, wide: 
     if wide:
         row += [f"{spec.address}:{spec.agent_port}" if spec else "-", seen.identity or "-",
                 seen.agent_version or "-", (seen.accelerator or "-") + (" (MISMATCH)" if build_findings(seen) else ""),
-                ", ".join(seen.windows) or "always"]
+                ", ".join(seen.windows) or "always", _links(seen, specs or {})]
     return row
 
 
@@ -92,13 +102,13 @@ def cmd_nodes(args: argparse.Namespace, path: str) -> int:
         return Exit.OK
     table = Table(box=None, pad_edge=False)
     for col in ["NODE", "STATUS", "LAST SEEN", "GPUS (FREE/TOTAL GiB)", "MODELS", "SERVERS"] + (
-            ["ADDRESS", "IDENTITY", "VERSION", "VARIANT", "WINDOWS"] if args.wide else []):
+            ["ADDRESS", "IDENTITY", "VERSION", "VARIANT", "WINDOWS", "LINKS IN (FETCHES)"] if args.wide else []):
         table.add_column(col, overflow="fold" if args.wide else "ellipsis", no_wrap=not args.wide)
     failures = []
     for n in nodes:
         # The last state a node reported is kept while it is offline: shown for what it held.
         seen = node_from_state(n["name"], n["state"]) if n["state"] else None
-        gpus, models, *wide = _columns(n["name"], seen, specs.get(n["name"]), args.wide)
+        gpus, models, *wide = _columns(n["name"], seen, specs.get(n["name"]), args.wide, specs)
         servers = ", ".join(f"{r['cluster']}:{r['state']}" for r in rows if r["node"] == n["name"])
         table.add_row(n["name"], n["status"], n["last_seen"] or "never", gpus, models, servers or "-", *wide)
         if n["error"]:

@@ -44,3 +44,25 @@ def test_the_planner_warns_once_per_finding_at_the_node() -> None:
     assert w.code == "engine_build_mismatch" and w.address == "node.g" and not w.is_error
     assert "2 NVIDIA GPU(s) present but torch 2.13.0+cpu" in w.summary
     assert "pip install torch --index-url https://download.pytorch.org/whl/cu128" in w.detail
+
+
+def test_nodes_wide_shows_a_mismatch_and_the_link_rates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from reconciler import cli
+    from reconciler.state_store import StateStore
+    from tests.unit.test_tables import state
+
+    s = state()
+    s["variant"] = {"accelerator": "cpu", "findings": state_findings(1, "", CPU_TORCH)}
+    s["link_rates"] = [{"peer": "10.0.0.1:7070", "bytes_per_s": 91_100_000, "samples": 3}]
+    with StateStore(tmp_path) as store:
+        with store.serve.transaction():
+            store.serve.put_node("gpu-a", "online", "T1", state=s, error=None)
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text("version: 1\ncontrol_plane: {node: cp}\nnodes:\n  cp: {address: 10.0.0.1}\n"
+                          "  gpu-a: {address: 10.0.0.2}\nmodels: {}\n")
+    assert cli.run(["nodes", "--wide", "--state-dir", str(tmp_path), "-f", str(fleet_file)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("gpu-a"))
+    assert "cpu (MISMATCH)" in row and "cp 91.1 MB/s (3)" in row
+    assert "gpu-a (variant:torch): 1 NVIDIA GPU(s) present but torch 2.13.0+cpu" in out
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cu128" in out
