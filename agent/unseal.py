@@ -147,6 +147,7 @@ class Unsealer:
     def open(self, opened: Opened, entry: WeightsEntry, keep_going: Callable[[], None] = _never) -> None:
         """Decrypt every file of the model into memfds and link them for the engine (blocking: a
         thread); `keep_going` is asked between chunks and raises to stop (fds closed, links removed)."""
+        keep_going()
         key = self.check_key(entry)
         manifest = self.store.load_manifest(entry["digest"])
         need = sum(int(f["size"]) for f in manifest["files"])

@@ -12,6 +12,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
@@ -26,7 +27,7 @@ from agent.store import Store
 from agent.unseal import INSUFFICIENT_MEMORY, UNSEAL_FAILED, Unsealer
 from agent.workers import Workers
 from tests.agents import free_port
-from tests.models import tiny_gguf
+from tests.models import tiny_gguf, tiny_safetensors
 
 KEY = make_key(bytes(range(32)))
 REPO = Path(__file__).resolve().parents[2]
@@ -72,6 +73,64 @@ def test_too_little_memory_is_refused_naming_what_is_needed(tmp_path: Path, held
     assert server.reason == (f"{INSUFFICIENT_MEMORY}: model tiny ({digest}) is decrypted into memory: it needs "
                              f"{len(plain)} bytes, and 1000 are available (MemAvailable); not started"), server.reason
     assert list(tmp_path.iterdir()) == []
+
+
+class Stop(Exception):
+    pass
+
+
+def test_stopping_at_any_chunk_leaves_no_descriptor_and_no_links(tmp_path: Path, held: tuple[Store, str, bytes],
+                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+    store, _, _ = held
+    digest, manifest = store.import_model(tiny_safetensors(tmp_path_factory.mktemp("st")), "st", encrypt=True)
+    entry = store.entry(digest)
+    unsealer = Unsealer(store, tmp_path)
+    asked: list[int] = []
+    whole = unsealer.prepare("s@cp", entry)
+    unsealer.open(whole, entry, lambda: asked.append(1))
+    unsealer.close(whole)
+    chunks = sum(max(1, -(-f["size"] // (1 << 20))) for f in manifest["files"])
+    assert len(asked) >= chunks + len(manifest["files"])  # asked before every file and every chunk
+    before = sorted(os.listdir("/proc/self/fd"))
+    for stop_at in range(len(asked)):
+        calls = iter(range(len(asked)))
+
+        def keep_going() -> None:
+            if next(calls) == stop_at:
+                raise Stop
+
+        opened = unsealer.prepare("s@cp", entry)
+        with pytest.raises(Stop):
+            unsealer.open(opened, entry, keep_going)
+        assert opened.fds == [] and not opened.links.exists()
+    assert sorted(os.listdir("/proc/self/fd")) == before and list(tmp_path.iterdir()) == []
+
+
+def test_an_agent_shutting_down_cancels_a_decryption_at_its_next_chunk(tmp_path: Path,
+                                                                       held: tuple[Store, str, bytes]) -> None:
+    store, digest, _ = held
+    in_thread, cancelled = threading.Event(), threading.Event()
+
+    def available() -> int:  # called in the decrypting thread, before the first chunk
+        in_thread.set()
+        assert cancelled.wait(30)
+        return 1 << 40
+
+    unsealer = Unsealer(store, tmp_path, available=available)
+    entry = store.entry(digest)
+    server = Srv("s@cp")
+
+    async def main() -> None:
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(unsealer.run, server, unsealer.prepare("s@cp", entry), entry, never)
+                await trio.to_thread.run_sync(in_thread.wait)
+                scope.cancel()
+                cancelled.set()
+        assert scope.cancelled_caught
+
+    trio.run(main)
+    assert server.state == "starting" and list(tmp_path.iterdir()) == []  # nothing decrypted, nothing left
 
 
 class Recorder(SimulatedLauncher):
