@@ -7,6 +7,7 @@ Engines, each started with the argv of its launch spec (agent/backends/torch.py,
 threads T and a context of 2048:
   torch        agent.backends.torch_worker (the batched engine), on the float32 twin made by
                `fleet-agent convert` (the tests' copy under .pytest_cache/d/fleet-models)
+  torch_nocache  the same with --prefix-cache 0 (every prompt prefilled whole)
   llama_cpp    agent.backends.llama_cpp_worker (llama-cpp-python's server app) on the GGUF
   llama_cpp_ni the same with --interrupt_requests False (the server's default, True, ends a running
                stream early whenever another request arrives: see "cut")
@@ -24,7 +25,12 @@ requests after its first, i.e. once the others run); "cut" counts answers that e
 their tokens without finish_reason stop (a silent cut). Each round runs the three one after the
 other and the last line per engine is the median over rounds (--rounds). "per CPU-s" divides
 tokens by the CPU time of the engine's processes instead of wall time: on a machine shared with
-other work, the wall-time ratios move with the neighbours' load, these far less.
+other work, the wall-time ratios move with the neighbours' load, these far less. For the PyTorch
+engine the n-at-once figure also gives the worst TTFT in ms and its prefill-bound floor: the
+single request's TTFT less its prefill, plus all of the burst's prefill CPU seconds (the engine's own
+counters, /health): on one thread the last first token cannot come before every prompt's tokens
+that the prefix cache does not hold were computed. Every prompt is its own (a serial number after
+the topic), so that a cache holds only what users' prompts share: the chat template's opening.
 
     .venv/bin/python bench/engines.py [--engines torch,llama_cpp_ni] [--threads 1] [--tokens 32]
         [--requests 3] [--streams 8] [--procs 2] [--rounds 2]
@@ -33,6 +39,7 @@ other work, the wall-time ratios move with the neighbours' load, these far less.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -53,6 +60,7 @@ from tests.models import smollm2_gguf, smollm2_safetensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
+SERIAL = itertools.count(1)
 TOPICS = ["a dragon who learns to cook", "a lighthouse keeper and a storm", "a robot that paints the sea",
           "two friends crossing a desert", "a city that never sleeps", "a cat who runs a bakery",
           "the last train of the night", "a garden on the moon"]
@@ -110,6 +118,17 @@ class Engine:
                     raise SystemExit(f"engine {proc.args!r} did not come up")
                 time.sleep(0.2)
 
+    def stats(self) -> dict[str, float]:
+        """The engine's own counters from /health (the PyTorch worker's; none from llama.cpp's)."""
+        out: dict[str, float] = {}
+        for url in self.urls:
+            try:
+                for k, v in (httpx.get(url + "/health", timeout=5).json().get("engine") or {}).items():
+                    out[k] = out.get(k, 0.0) + float(v)
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass
+        return out
+
     def cpu(self) -> float:
         """CPU seconds used so far by the engine processes (all their threads)."""
         return sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in self.procs)
@@ -125,7 +144,11 @@ class Engine:
 
 
 def ask(client: httpx.Client, url: str, topic: str, tokens: int) -> Result:
-    body = {"model": "m", "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
+    # Each prompt its own (a serial number after the topic): only the chat template's system prompt
+    # and the words before the topic are shared, as between users; an engine's prefix cache would
+    # otherwise hold whole prompts asked again.
+    content = f"Write a long story about {topic}, number {next(SERIAL)}."
+    body = {"model": "m", "messages": [{"role": "user", "content": content}],
             "max_tokens": tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     times: list[float] = []
@@ -180,9 +203,12 @@ def measure(name: str, engine: Engine, args: argparse.Namespace) -> None:
     with httpx.Client(timeout=600) as client:
         ask(client, engine.urls[0], "warming up", 4)
     n, rows = args.streams, []
+    counters: dict[str, float] = {}
 
     def phase(count: int, requests: int, stagger: float = 0.0) -> tuple[float, float, list[list[Result]]]:
+        nonlocal counters
         samples: list[tuple[float, float]] = []
+        before = engine.stats()
         done = threading.Event()
 
         def sample() -> None:  # the engine's CPU time, to be read over any window of the run
@@ -195,6 +221,8 @@ def measure(name: str, engine: Engine, args: argparse.Namespace) -> None:
         done.set()
         sampler.join()
         samples.append((time.perf_counter(), engine.cpu()))
+        after = engine.stats()
+        counters = {k: after[k] - before.get(k, 0.0) for k in after}
         a, b = max(s[0].start for s in out), min(s[-1].times[-1] if s[-1].times else 0.0 for s in out)
         if b <= a:  # no window with every stream running (a burst): the whole run
             a, b = samples[0][0], samples[-1][0]
@@ -207,19 +235,31 @@ def measure(name: str, engine: Engine, args: argparse.Namespace) -> None:
     for _ in range(args.rounds):
         tps1, cps1, one = phase(1, args.requests)
         ttft1 = statistics.median(r.ttft for r in one[0])
+        prefill1 = counters.get("prefill_cpu_s", 0.0) / args.requests
         tpsb, cpsb, burst = phase(n, 1)
+        # On one thread the slowest first token of a burst comes after all of the burst's prefill
+        # work: at best the single request's TTFT with the burst's prefill CPU time in place of its
+        # own. That is the floor of the ratio (the engine's CPU seconds, so the load moves it little).
+        worst = max(s[0].ttft for s in burst)
+        floor = (ttft1 - prefill1 + counters.get("prefill_cpu_s", 0.0)) / ttft1 if counters else float("nan")
+        work = (worst, floor, counters.get("prefills", float("nan")), counters.get("prefill_tokens", float("nan")),
+                counters.get("prefix_hit_tokens", float("nan")), prefill1, counters.get("prefill_cpu_s", float("nan")))
         # Spread arrivals: stream i joins i/n of a request's time after stream 0, as users do.
         tpss, cpss, steady = phase(n, args.requests, stagger=args.tokens / tps1 / n)
         cut = sum(1 for runs in (burst, steady) for s in runs for r in s
                   if r.tokens < args.tokens and r.finish != "stop")
-        rows.append((tps1, ttft1, tpsb / tps1, max(s[0].ttft for s in burst) / ttft1, tpss / tps1,
+        rows.append((tps1, ttft1, tpsb / tps1, worst / ttft1, *work, tpss / tps1,
                      max(statistics.median(r.ttft for r in s[1:] or s) for s in steady) / ttft1,
                      max(r.ttft for s in steady for r in s[1:] or s) / ttft1, cps1, cpsb / cps1, cpss / cps1, cut))
     for label, row in [*((f"  round {i + 1}", r) for i, r in enumerate(rows)),
                        (name, tuple(statistics.median(c) for c in zip(*rows)))]:
-        tps1, ttft1, rb, tb, rs, ts, tw, cps1, cb, cs, cut = row
+        tps1, ttft1, rb, tb, worst, floor, forwards, computed, known, cpu1, cpun, rs, ts, tw, cps1, cb, cs, cut = row
+        detail = "" if floor != floor else (
+            f" ({worst * 1000:4.0f} ms; floor {floor:3.1f}x: prefill CPU {cpun * 1000:3.0f} ms against "
+            f"{cpu1 * 1000:3.0f} ms for one, {forwards:g} forwards, {computed:g} prompt tokens computed, "
+            f"{known:g} from the cache)")
         print(f"{label:<16} 1 stream {tps1:5.1f} tok/s, TTFT {ttft1 * 1000:4.0f} ms | {n} at once {rb:4.2f}x, "
-              f"worst TTFT {tb:4.1f}x | {n} streams {rs:4.2f}x, TTFT worst stream median {ts:4.1f}x, worst "
+              f"worst TTFT {tb:4.1f}x{detail} | {n} streams {rs:4.2f}x, TTFT worst stream median {ts:4.1f}x, worst "
               f"request {tw:4.1f}x | per CPU-s: 1 stream {cps1:5.1f} tok, {n} at once {cb:4.2f}x, {n} streams "
               f"{cs:4.2f}x | cut {cut:g}", flush=True)
 
@@ -308,9 +348,10 @@ def main() -> None:
         if name == "llama_cpp_batch":
             llama_batched(args)
             continue
-        if name == "torch":
+        if name in ("torch", "torch_nocache"):
             model = smollm2_safetensors(ROOT / ".pytest_cache" / "d" / "fleet-models", "float32")  # the tests' copy
-            engine = Engine([launch(torch_spec.SPEC, model, args.threads)], torch_spec.SPEC.health)
+            extra = ("--prefix-cache", "0") if name == "torch_nocache" else ()
+            engine = Engine([launch(torch_spec.SPEC, model, args.threads, *extra)], torch_spec.SPEC.health)
         elif name == "llama_cpp":
             engine = Engine([llama], llama_spec.SPEC.health)
         elif name == "llama_cpp_ni":

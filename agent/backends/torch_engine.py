@@ -24,10 +24,13 @@ from typing import Any, Callable
 import torch
 
 from .torch_layers import Rows, Stack
-from .torch_prefix import PREFIX_TOKENS, PrefixCache, common
+from .torch_prefix import PREFIX_TOKENS, Prefill
 
 PREFILL_TOKENS = 4096  # prompt tokens prefilled in one forward at most (a long prompt still goes alone)
-SHARE_MIN = 16  # prompt tokens a separate forward for a common opening must save (its own pass over the weights)
+# An idle engine waits for requests arriving with the first (a burst reaches it one HTTP request at a
+# time) while they keep coming QUIET_S apart, GATHER_S at most: one prefill for all of them is one
+# pass over the weights, not one more per straggler. A lone request pays QUIET_S.
+QUIET_S, GATHER_S = 0.005, 0.025
 Notify = Callable[[Callable[[], None]], None]  # run a callback on the reader's event loop, from any thread
 
 
@@ -135,9 +138,10 @@ class Engine:
                  prefix_tokens: int = PREFIX_TOKENS) -> None:
         self.stack, self.eos, self.max_batch, self.solo, self.threads = stack, frozenset(eos), max_batch, solo, threads
         self.prefill_tokens = PREFILL_TOKENS
-        self.cache = PrefixCache(prefix_tokens) if prefix_tokens > 0 else None
+        self.prefill = Prefill(stack, prefix_tokens)
         self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._kick = threading.Event()
+        self._arrived = 0.0  # perf_counter of the latest submit
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []  # the rows of self._rows, in order
         self._rows: Rows | None = None
@@ -147,8 +151,6 @@ class Engine:
         self.set_aside = 0
         self.prefill_s = 0.0  # seconds in prefill and in decode steps: where the engine's time goes
         self.decode_s = 0.0
-        self.prefills = 0  # prefill forwards, and the prompt tokens they computed (the cache's not counted)
-        self.computed = 0
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -160,12 +162,10 @@ class Engine:
     def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "widest_step": self.widest, "set_aside": self.set_aside,
                 "rows": len(self._active) + len(self._aside), "waiting": len(self._waiting) + self._queue.qsize(),
-                "prefill_s": round(self.prefill_s, 3), "decode_s": round(self.decode_s, 3), "prefills": self.prefills,
-                "prefill_tokens": self.computed, "prefix_hits": self.cache.hits if self.cache else 0,
-                "prefix_hit_tokens": self.cache.hit_tokens if self.cache else 0,
-                "prefix_cached_tokens": self.cache.tokens if self.cache else 0}
+                "prefill_s": round(self.prefill_s, 3), "decode_s": round(self.decode_s, 3), **self.prefill.stats()}
 
     def submit(self, job: Job) -> None:
+        self._arrived = time.perf_counter()
         self._queue.put(job)
         self._kick.set()
 
@@ -207,12 +207,24 @@ class Engine:
                 if not job.ended:  # cancelled, or generate stopped on its own (its EOS, its limit)
                     job.end("length" if job.made >= job.params.max_new else "stop")
             return True
+        if not self._active and self._waiting:
+            self._gather()
         self._admit()
         self._regroup()
         if not self._active:
             return bool(self._waiting) and len(self._aside) < self.max_batch
         self._step()
         return True
+
+    def _gather(self) -> None:
+        end = time.perf_counter() + GATHER_S
+        while (now := time.perf_counter()) < end and now - self._arrived < QUIET_S:
+            time.sleep(QUIET_S - (now - self._arrived))
+        while True:
+            try:
+                self._waiting.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
 
     def _admit(self) -> None:
         """Prefill every request that fits, together, and hand each its first token."""
@@ -230,40 +242,12 @@ class Engine:
         t0 = time.perf_counter()
         prompts = [j.prompt for j in jobs]
         with torch.inference_mode():
-            rows, logits = self._prefill(prompts)
+            rows, logits = self.prefill(prompts)
         self.prefill_s += time.perf_counter() - t0
         for i, (job, tok) in enumerate(zip(jobs, self._pick(logits, jobs))):
             if not self._emit(job, tok):
                 self._aside[job] = rows if len(jobs) == 1 else rows.take([i])
-        if self.cache is not None:  # after the first tokens went out: they need not wait for the copies
-            for i, prompt in enumerate(prompts):
-                self.cache.keep(prompt, rows, i)
-
-    def _prefill(self, prompts: list[list[int]]) -> tuple[Rows, torch.Tensor]:
-        """One forward over the prompts, each after what the cache holds of it. Prompts arriving
-        together that begin alike have their common opening prefilled once first, into the cache,
-        so that each then computes only what is its own (8 chat requests: the system prompt once)."""
-        cache, stack = self.cache, self.stack
-        if cache is None:
-            self.prefills += 1
-            self.computed += sum(map(len, prompts))
-            return stack.prefill_many(prompts)
-        shared = min([min(map(len, prompts)) - 1, *(common(prompts[0], p) for p in prompts[1:])])
-        if len(prompts) > 1 and shared > 0:
-            hit = cache.find(prompts[0], shared)
-            done = hit.length if hit is not None else 0
-            if (len(prompts) - 1) * (shared - done) >= SHARE_MIN:
-                opening = prompts[0][:shared]
-                rows, _ = stack.fill(stack.embed_padded([opening[done:]]), [shared - done], [hit])
-                cache.keep(opening, rows, 0)
-                self.prefills += 1
-                self.computed += shared - done
-        hits = [cache.find(p, len(p) - 1) for p in prompts]
-        for h in hits:
-            cache.count(h)
-        self.prefills += 1
-        self.computed += sum(len(p) - (h.length if h is not None else 0) for p, h in zip(prompts, hits))
-        return stack.prefill_many(prompts, hits)
+        self.prefill.keep(prompts, rows)  # after the first tokens went out: they need not wait for the copies
 
     def _regroup(self) -> None:
         """Rows whose reader is full go aside; rows set aside (or new) whose reader has room join;

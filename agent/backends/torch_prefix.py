@@ -1,4 +1,4 @@
-"""The keys and values of prompt prefixes, kept for the prompts that begin the same way.
+"""Prefill after the known opening of each prompt: a cache of prompt openings' keys and values.
 
 A chat model's prompts share their opening (the chat template's system prompt, a conversation's
 earlier turns): the keys and values of a token depend on the tokens before it only, so those of a
@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+import time
 from typing import Sequence
 
 import torch
 
-from .torch_layers import Rows
+from .torch_layers import Rows, Stack
 
 PREFIX_TOKENS = 2048  # tokens the cache holds at most, all entries together (0: no cache)
+SHARE_MIN = 16  # prompt tokens a separate forward for a common opening must save (its own pass over the weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,3 +107,58 @@ class PrefixCache:
     def _drop(self, key: tuple[int, ...]) -> None:
         del self._entries[key]
         self.tokens -= len(key)
+
+
+class Prefill:
+    """The engine's prefills: one forward over the prompts that arrived together, each after what
+    the cache holds of it. Prompts that begin alike have their common opening prefilled once
+    first, into the cache, so that each then computes only what is its own (8 chat requests: the
+    system prompt once, not 8 times)."""
+
+    def __init__(self, stack: Stack, capacity: int = PREFIX_TOKENS) -> None:
+        self.stack = stack
+        self.cache = PrefixCache(capacity) if capacity > 0 else None
+        self.forwards = 0  # prefill forwards, the prompt tokens they computed (not the cache's), their CPU time
+        self.computed = 0
+        self.cpu_s = 0.0
+
+    def __call__(self, prompts: list[list[int]]) -> tuple[Rows, torch.Tensor]:
+        """New rows for the prompts, in order, and the logits of each one's first answer token."""
+        c0 = time.thread_time()  # the engine thread's own CPU time: what the prompts cost, whatever the machine's load
+        try:
+            return self._run(prompts)
+        finally:
+            self.cpu_s += time.thread_time() - c0
+
+    def _run(self, prompts: list[list[int]]) -> tuple[Rows, torch.Tensor]:
+        cache, stack = self.cache, self.stack
+        hits: list[Hit | None] = [None] * len(prompts)
+        if cache is not None:
+            shared = min([min(map(len, prompts)) - 1, *(common(prompts[0], p) for p in prompts[1:])])
+            if len(prompts) > 1 and shared > 0:
+                hit = cache.find(prompts[0], shared)
+                done = hit.length if hit is not None else 0
+                if (len(prompts) - 1) * (shared - done) >= SHARE_MIN:
+                    opening = prompts[0][:shared]
+                    rows, _ = stack.fill(stack.embed_padded([opening[done:]]), [shared - done], [hit])
+                    cache.keep(opening, rows, 0)
+                    self.forwards += 1
+                    self.computed += shared - done
+            hits = [cache.find(p, len(p) - 1) for p in prompts]
+            for h in hits:
+                cache.count(h)
+        self.forwards += 1
+        self.computed += sum(len(p) - (h.length if h is not None else 0) for p, h in zip(prompts, hits))
+        return stack.prefill_many(prompts, hits)
+
+    def keep(self, prompts: list[list[int]], rows: Rows) -> None:
+        """Keep the prompts that `rows` holds (row i holds prompts[i]) for those that follow."""
+        if self.cache is not None:
+            for i, prompt in enumerate(prompts):
+                self.cache.keep(prompt, rows, i)
+
+    def stats(self) -> dict[str, float]:
+        cache = self.cache
+        return {"prefills": self.forwards, "prefill_tokens": self.computed, "prefill_cpu_s": round(self.cpu_s, 3),
+                "prefix_hits": cache.hits if cache else 0, "prefix_hit_tokens": cache.hit_tokens if cache else 0,
+                "prefix_cached_tokens": cache.tokens if cache else 0}
