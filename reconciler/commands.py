@@ -22,7 +22,7 @@ from .drain import Drainer
 from .execute import Executor, Result
 from .exitcodes import Exit
 from .model import Desired
-from .observe import observe
+from .observe import kept_to_the_end, observe
 from .observed import Observed, from_snapshot
 from .outcome import Failure, print_json
 from .plan import Plan
@@ -89,7 +89,8 @@ def _plan(loaded: config.Loaded, args: argparse.Namespace) -> Plan:
             raise Failure(Exit.INVALID_CONFIG, "unreadable_snapshot",
                           f"cannot read the snapshot {args.observed}: {exc}") from None
     else:
-        observed = trio.run(_observe, loaded.desired, args.timeout, _secret())
+        with kept_to_the_end():
+            observed = trio.run(_observe, loaded.desired, args.timeout, _secret())
     warnings = tuple(d for d in loaded.diagnostics if not d.is_error)
     p = make_plan(loaded.desired, observed, targets=tuple(args.target or ()),
                   config_digest=loaded.digest or "", config_file=loaded.filename)

@@ -5,10 +5,12 @@ held answers 304 and the node held is kept, and manifests (content-addressed) ar
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
-from typing import Any, Collection, Mapping, Protocol
+from contextlib import contextmanager
+from typing import Any, Collection, Iterator, Mapping, Protocol
 
 import trio
 
@@ -81,6 +83,23 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
             if "sha256:" + hashlib.sha256(body).hexdigest() == m.digest:
                 fetched[m.digest] = json.loads(body)
     return Observed({name: nodes[name] for name in sorted(nodes)}, {m.digest: fetched[m.digest] for m in sliced if m.digest in fetched})
+
+
+@contextmanager
+def kept_to_the_end() -> Iterator[None]:
+    """Around a one-shot command's observation (fleet plan, apply, observe), whose result lives
+    until the process ends: the cyclic collector paused while the states arrive (at 10,000 nodes
+    about a million objects, none of them garbage; its passes over them were 360 ms of CPU), and
+    what exists afterwards frozen out of later full collections, which walked it again while the
+    plan was made and written out (another 320 ms). Not for the heartbeat: it lets go of old states."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if collecting:
+            gc.enable()
 
 
 class HeartbeatObserver:
