@@ -6,8 +6,10 @@ plan wall time and the plan process's CPU per node, and apply time, with the tar
 Targets (issue 16, at 10,000 nodes): plan <= 5 s wall and <= 0.3 ms of client CPU per node; apply
 of 10,000 start actions <= 30 s. The simulated agents run on the same machine as fleet: their CPU
 is printed too, and the machine's cores and load (a shared machine's figures vary with its load).
+After each plan, the same steps run once more in this process, each timed alone (CPU): reading
+the file, asking the agents, planning, writing the JSON; so a change's effect shows where it lands.
 
-    .venv/bin/python bench/plan_scale.py [--sizes 1000,10000] [--apply-sizes 1000,10000]
+    .venv/bin/python bench/plan_scale.py [--sizes 1000,10000] [--apply-sizes 1000,10000] [--no-split]
 """
 
 from __future__ import annotations
@@ -57,6 +59,37 @@ def timed(cmd: list[str], env: dict[str, str], sims: list[int]) -> tuple[float, 
     return wall, cpu, sum(cpu_of(p) for p in sims) - sim_before, proc
 
 
+def split(path: Path, secret: str) -> str:
+    """CPU of each step of `fleet plan --json`, in this process (its imports already done)."""
+    import trio
+
+    from reconciler import commands, config
+    from reconciler.observe import kept_to_the_end
+    from reconciler.planner import plan
+
+    steps: list[tuple[str, float]] = []
+    at = time.process_time()
+
+    def step(name: str) -> None:
+        nonlocal at
+        now = time.process_time()
+        steps.append((name, now - at))
+        at = now
+
+    loaded = config.load(path)
+    assert loaded.desired is not None, loaded.diagnostics[:3]
+    step("read the file")
+    with kept_to_the_end():
+        observed = trio.run(commands._observe, loaded.desired, 10.0, secret)
+    step("ask the agents")
+    p = plan(loaded.desired, observed, config_digest=loaded.digest or "", config_file=loaded.filename)
+    step("plan")
+    json.dumps(p.to_json(), indent=2)
+    step("write JSON")
+    n = len(loaded.desired.nodes)
+    return ", ".join(f"{name} {cpu * 1000 / n:.3f}" for name, cpu in steps) + " ms/node"
+
+
 def with_agents(base: Path, n: int, processes: int, fn: Callable[[Path, list[int]], None]) -> None:
     with simulated(base, n, processes) as (port, pids):
         fleet_file(base / f"fleet{n}.yaml", n, port)
@@ -73,6 +106,7 @@ def main() -> None:
     ap.add_argument("--apply-sizes", default="1000,10000")
     ap.add_argument("--sim-processes", type=int, default=2, help="simulator processes (default 2)")
     ap.add_argument("--parallelism", type=int, default=64, help="fleet apply --parallelism (default 64)")
+    ap.add_argument("--no-split", dest="split", action="store_false", help="skip the in-process split by step")
     args = ap.parse_args()
     env = agent_env()
     print(f"machine: {machine()}; SIMULATED agents in {args.sim_processes} processes on the same machine")
@@ -93,6 +127,9 @@ def main() -> None:
                       f"{target(wall <= PLAN_WALL_S, n)}), fleet CPU {per:.3f} ms/node (target <= {PLAN_CPU_MS} ms: "
                       f"{target(per <= PLAN_CPU_MS, n)}; {(cpu - cpu0) * 1000 / n:.3f} ms/node beyond start-up); "
                       f"the simulated agents' CPU {sim * 1000 / n:.3f} ms/node; {n} starts planned")
+                if args.split:
+                    print(f"  split by step (CPU, in process): {split(path, env['FLEET_CLUSTER_SECRET'])}; "
+                          f"{machine()}")
             with_agents(base, n, args.sim_processes, plan)
         for n in [int(x) for x in args.apply_sizes.split(",") if x]:
             def apply(path: Path, sims: list[int]) -> None:
