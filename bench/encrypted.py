@@ -85,6 +85,7 @@ def main() -> None:
         try:
             digests = {(fmt, enc): imported(agent, src, enc) for fmt, src in models.items() for enc in (False, True)}
             store = Store(agent.home, parse_key(key.read_bytes(), "key"))
+            (base / "links").mkdir(exist_ok=True)
             unsealer = Unsealer(store, base / "links")
             print(f"{'model':<12} {'what':<28} {'plain s':>8} {'sealed s':>9} {'ratio':>6}")
             for fmt in models:
@@ -97,7 +98,9 @@ def main() -> None:
                         t0 = time.monotonic()
                         if enc:
                             entry = store.entry(digests[fmt, True])
-                            unsealer.close("x", unsealer.open("x", entry))
+                            opened = unsealer.prepare("x", entry)
+                            unsealer.open(opened, entry)
+                            unsealer.close(opened)
                         else:
                             plain_read(store, digests[fmt, False])
                         reads[enc].append(time.monotonic() - t0)
