@@ -233,6 +233,8 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--receivers", type=int, default=8)
     ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--piece-size", default="16MiB",
+                    help="the model's pieces (fleet-agent import --piece-size): each hop of a chain adds one")
     ap.add_argument("--queue-ms", type=float, default=2.0, help="tbf's queue, in ms of the rate (default: 2.0)")
     args = ap.parse_args()
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
@@ -252,7 +254,7 @@ def main() -> None:
     agents = Agents(root)
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; homes on "
           f"{'a tmpfs' if mounted else 'disk (tmpfs mount refused)'}; {args.receivers} receivers, {args.rate} egress "
-          f"each (tbf, queue {args.queue_ms:g} ms), model {size / 2**20:.0f} MiB", flush=True)
+          f"each (tbf, queue {args.queue_ms:g} ms), model {size / 2**20:.0f} MiB in pieces of {args.piece_size}", flush=True)
     try:
         net = Net(args.rate, args.queue_ms)
         names = ["src"] + [f"n{i}" for i in range(1, args.receivers + 1)]
@@ -262,7 +264,7 @@ def main() -> None:
         model = root / "m.gguf"
         make_file(model, size)
         imported = subprocess.run([fleet_bin("fleet-agent"), "import", "--home", str(root / "src"), str(model),
-                                   "--json", "--link"], capture_output=True, text=True, timeout=600, env=agent_env(),
+                                   "--json", "--link", "--piece-size", args.piece_size], capture_output=True, text=True, timeout=600, env=agent_env(),
                                   check=True)
         digest = json.loads(imported.stdout)["digest"]
         receivers = names[1:]
