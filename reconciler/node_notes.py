@@ -105,12 +105,12 @@ def estimate_replications(changes: list[Change], nodes: Mapping[str, NodeSpec],
         rate = link_rate(seen[c.node], nodes.get(c.details["peer"])) if c.node in seen else None
         note: dict[str, Any] = {"node_bytes": received[c.node], "seconds": None if s is None else round(s, 1),
                                 "bytes_per_s": rate["bytes_per_s"] if rate else None,
-                                "samples": int(rate.get("samples", 0)) if rate else 0, "ends_at": None}
+                                "samples": int(rate.get("samples", 0)) if rate else 0}
         obs, spec = seen.get(c.node), nodes.get(c.node)
         end = window_end(obs, spec) if obs is not None and spec is not None and obs.observed_at else None
         if s is not None and obs is not None and obs.observed_at:
+            # Not kept in the details: it moves with the observation's clock, the plan should not.
             finish = datetime.fromisoformat(obs.observed_at) + timedelta(seconds=s)
-            note["ends_at"] = finish.isoformat(timespec="seconds")
             if end is not None and finish > end[0]:
                 diags.append(error(
                     "replication_exceeds_window",

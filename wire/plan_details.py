@@ -28,7 +28,6 @@ class ReplicationEstimate(TypedDict):
     seconds: float | None
     bytes_per_s: int | None  # the receiver's recent fetches from this peer, bytes over seconds
     samples: int  # how many fetches that rate comes from
-    ends_at: str | None  # the node's clock when it is observed plus the estimate (ISO 8601)
 
 
 class Speculative(TypedDict):
