@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .torch_layers import HEADROOM, Rows, Stack
+from .torch_layers import Rows, Stack
 
 
 class Ledger:
@@ -68,12 +68,8 @@ class Ledger:
 
     def embed_prompts(self, prompts: list[list[int]]) -> torch.Tensor:
         """The first stage's input for a prefill: the prompts left-padded to the longest, embedded."""
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.stack.device)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long, device=self.stack.device)
         t0 = time.perf_counter_ns()
-        out = self.stack.embed(ids)
+        out = self.stack.embed_padded(prompts)
         self.busy_ns += time.perf_counter_ns() - t0
         return out
 
@@ -85,26 +81,9 @@ class Ledger:
 
     def prefill(self, b: int, rows: list[int], lengths: list[int], hidden: torch.Tensor) -> torch.Tensor:
         """New batch b of these rows, their prompts' hidden states [rows, longest, hidden] in (as
-        Stack.prefill_many pads and masks them, so a row's arithmetic is the whole model's)."""
+        Stack.fill pads and masks them for the whole model, so a row's arithmetic is the same)."""
         t0 = time.perf_counter_ns()
-        stack, device = self.stack, self.stack.device
-        n, width = len(lengths), max(lengths)
-        cache = stack.rows(n, width + HEADROOM)
-        mask: torch.Tensor | None = None
-        if n == 1:  # no padding: plain causal attention, as the whole model prefills one prompt
-            positions = torch.arange(width, device=device).unsqueeze(0)
-            cache.mask[:, :width] = True
-        else:
-            positions = torch.zeros(n, width, dtype=torch.long, device=device)
-            for r, length in enumerate(lengths):
-                positions[r, width - length:] = torch.arange(length, device=device)
-                cache.mask[r, width - length:width] = True
-            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-            # A padding query attends to itself only: a row with nothing to attend to would be NaN.
-            mask = (causal & cache.mask[:, None, None, :width]) | torch.eye(width, dtype=torch.bool, device=device)
-        out = stack.run(hidden, cache, positions, mask)
-        cache.length = width
-        cache.positions = torch.tensor(lengths, dtype=torch.long, device=device)
+        cache, out = self.stack.fill(hidden, lengths)
         self.caches[b], self.members[b] = cache, list(rows)
         self.busy_ns += time.perf_counter_ns() - t0
         return out
