@@ -57,15 +57,16 @@ def _secret() -> bytes:
         raise Refused(str(exc)) from None
 
 
-def _weights_key(args: argparse.Namespace) -> Key | None:
+def _weights_key(args: argparse.Namespace, guard: bool = False) -> Key | None:
     """The node's weights key (--key-file or $FLEET_WEIGHTS_KEY_FILE; $FLEET_WEIGHTS_KEY is refused).
-    Once one is held the process is made undumpable (sealed.guard_process): no worker can read its
-    memory, its descriptors (the decrypted models' memfds) or its environment through /proc."""
+    Once one is held (or `guard`: the agent, whose environment holds the cluster secret for its life)
+    the process is made undumpable (sealed.guard_process): no worker can read its memory, its
+    descriptors (the decrypted models' memfds) or its environment through /proc."""
     from .sealed import KEY_ENV, KEY_FILE_ENV, KeyProblem, guard_process, load_key
 
     try:
         key = load_key(args.key_file, os.environ)
-        if key is not None:
+        if key is not None or guard:
             guard_process()
         return key
     except OSError as exc:
@@ -107,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise Refused("--tls-cert and --tls-key go together")
     host, port = _listen(args.listen)
-    weights_key = _weights_key(args)
+    weights_key = _weights_key(args, guard=True)
 
     from .fetch import parse_size
     from .verify import parse_period

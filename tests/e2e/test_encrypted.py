@@ -185,15 +185,22 @@ def test_planned_applied_served_and_never_on_disk(sealed: Sealed) -> None:
         chat = list(client.chat.completions.create(model=cluster, messages=[{"role": "user", "content": "Hi!"}],
                                                    max_tokens=6, temperature=0, stream=True))
         assert chat[-1].choices[0].finish_reason in ("stop", "length")
-    # The agent keeps the GGUF's memfd (llama.cpp opens it again), not PyTorch's (loaded, held there).
     assert sealed.agent.proc is not None
-    held = fd_targets(sealed.agent.proc.pid)
-    assert any("memfd:fleet:tiny-llama.gguf" in h for h in held), held
-    assert not any("memfd:fleet:model.safetensors" in h for h in held), held
-    # Nor is the key in the agent's own environment, which /proc keeps whatever os.environ says.
-    secret = sealed.key.read_bytes()
-    environ = Path(f"/proc/{sealed.agent.proc.pid}/environ").read_bytes()
-    assert secret not in environ and secret.hex().encode() not in environ and b"FLEET_WEIGHTS_KEY=" not in environ
+    agent_pid = sealed.agent.proc.pid
+    if os.geteuid() == 0:  # root reads any process (CAP_SYS_PTRACE): look at what the agent holds
+        # The GGUF's memfd (llama.cpp opens it again), not PyTorch's (loaded, held there).
+        held = fd_targets(agent_pid)
+        assert any("memfd:fleet:tiny-llama.gguf" in h for h in held), held
+        assert not any("memfd:fleet:model.safetensors" in h for h in held), held
+        # Nor is the key in its environment, which /proc keeps whatever os.environ says.
+        secret = sealed.key.read_bytes()
+        environ = Path(f"/proc/{agent_pid}/environ").read_bytes()
+        assert secret not in environ and secret.hex().encode() not in environ and b"FLEET_WEIGHTS_KEY=" not in environ
+    else:  # the agent's user's other processes (this test, a worker) cannot: it is undumpable
+        with pytest.raises(PermissionError):
+            fd_targets(agent_pid)
+        with pytest.raises(PermissionError):
+            Path(f"/proc/{agent_pid}/environ").read_bytes()
     for server in sealed.agent.get("/v1/state").json()["servers"]:
         pid = server["pid"]
         # A worker has nothing of fleet's environment (the cluster secret, where the key is) but its

@@ -26,7 +26,8 @@ from agent.simulate import SimulatedLauncher, SimulatedProcess
 from agent.store import Store
 from agent.unseal import INSUFFICIENT_MEMORY, UNSEAL_FAILED, Unsealer
 from agent.workers import Workers
-from tests.agents import free_port
+from tests.agents import agent_env, enroll, free_port, wait_healthy
+from tests.conftest import fleet_bin
 from tests.models import tiny_gguf, tiny_safetensors
 
 KEY = make_key(bytes(range(32)))
@@ -230,21 +231,27 @@ print(json.dumps(out))
 """
 
 
+# As root, the processes run without capabilities (what a worker of an unprivileged agent has):
+# root's CAP_SYS_PTRACE would open any process, guarded or not, and is out of this guard's reach.
+BARE = [shutil.which("setpriv") or "setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+
+
+def read_proc(pid: str, fd: str) -> dict[str, str]:
+    read = subprocess.run([*BARE, sys.executable, "-c", READER, pid, fd], capture_output=True, text=True,
+                          timeout=30, check=True)
+    return json.loads(read.stdout)  # type: ignore[no-any-return]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_DUMPABLE is Linux's")
 @pytest.mark.parametrize("how", ["plain", "guarded"])
 def test_a_process_holding_the_key_is_closed_to_its_users_other_processes(how: str) -> None:
-    # As root, both run without capabilities (what a worker of an unprivileged agent has): root's
-    # CAP_SYS_PTRACE would open any process, guarded or not, and is out of this guard's reach.
-    bare = [shutil.which("setpriv") or "setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
     env = {**os.environ, "PYTHONPATH": str(REPO), "FLEET_PROBE": "in-the-environment"}
-    holder = subprocess.Popen([*bare, sys.executable, "-c", HOLDER, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    holder = subprocess.Popen([*BARE, sys.executable, "-c", HOLDER, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               env=env, cwd=REPO, text=True)
     try:
         assert holder.stdout is not None
         pid, fd = holder.stdout.readline().split()
-        read = subprocess.run([*bare, sys.executable, "-c", READER, pid, fd], capture_output=True, text=True,
-                              timeout=30, check=True)
-        got = json.loads(read.stdout)
+        got = read_proc(pid, fd)
     finally:
         holder.kill()
         holder.wait(10)
@@ -252,3 +259,21 @@ def test_a_process_holding_the_key_is_closed_to_its_users_other_processes(how: s
         assert "FLEET_PROBE=in-the-environment" in got["environ"] and got[f"fd/{fd}"] == "plaintext", got
     else:
         assert got == {"environ": "Permission denied", f"fd/{fd}": "Permission denied"}, got
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_DUMPABLE is Linux's")
+def test_a_serving_agent_without_a_key_keeps_its_cluster_secret_from_its_users_processes(tmp_path: Path) -> None:
+    home, address = tmp_path / "a", "127.0.0.1"
+    enroll(home, "a")
+    port = free_port(address)
+    log = open(tmp_path / "a.log", "w")
+    agent = subprocess.Popen([*BARE, fleet_bin("fleet-agent"), "serve", "--home", str(home), "--listen",
+                              f"{address}:{port}", "--verify-every", "off"], env=agent_env(), stdout=log,
+                             stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://{address}:{port}", timeout=30)
+        got = read_proc(str(agent.pid), "0")
+    finally:
+        agent.terminate()
+        agent.wait(15)
+    assert got == {"environ": "Permission denied", "fd/0": "Permission denied"}, got
