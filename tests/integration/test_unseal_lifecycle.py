@@ -1,8 +1,10 @@
 """Encrypted models through their servers' lives, on real files, threads and processes: a failure while
-decrypting or linking fails that server with a code, never the agent; a server stopped while its model
-is decrypted and started again under the same id keeps its own links; too little memory is refused
-before any is used; a worker inherits its own model's memfds and nothing of the agent's FLEET_*
-environment, and dumps no core; a process holding the key is closed to other processes of its user."""
+decrypting or linking fails that server with a code (memory that cannot be written is not called
+tampering), never the agent; a server stopped while its model is decrypted and started again under
+the same id keeps its own links; a stop or a shutdown abandons a decryption at its next chunk; too
+little memory is refused before any is used; a worker inherits its own model's memfds and nothing of
+the agent's FLEET_* environment, and dumps no core; a process holding the key, and a serving agent
+holding none, are closed to the other processes of their user."""
 
 from __future__ import annotations
 
@@ -73,6 +75,31 @@ def test_too_little_memory_is_refused_naming_what_is_needed(tmp_path: Path, held
     assert server.state == "failed"
     assert server.reason == (f"{INSUFFICIENT_MEMORY}: model tiny ({digest}) is decrypted into memory: it needs "
                              f"{len(plain)} bytes, and 1000 are available (MemAvailable); not started"), server.reason
+    assert list(tmp_path.iterdir()) == []
+
+
+NO_ROOM = """import resource, signal, sys
+from pathlib import Path
+from agent.sealed import make_key
+from agent.store import Store
+from agent.unseal import Refusal, Unsealer
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # a memfd is a file: its writes fail as on a full disk
+store = Store(Path(sys.argv[1]), make_key(bytes(range(32))))
+unsealer = Unsealer(store, Path(sys.argv[2]))
+entry = store.entry(sys.argv[3])
+try:
+    unsealer.open(unsealer.prepare("s@cp", entry), entry)
+except Refusal as exc:
+    print(exc)
+"""
+
+
+def test_memory_that_cannot_be_written_is_not_called_tampering(tmp_path: Path, held: tuple[Store, str, bytes]) -> None:
+    store, digest, _ = held
+    done = subprocess.run([sys.executable, "-c", NO_ROOM, str(store.root.parent), str(tmp_path), digest], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == f"{UNSEAL_FAILED}: model tiny ({digest}): tiny-llama.gguf: File too large", done
     assert list(tmp_path.iterdir()) == []
 
 
