@@ -125,6 +125,30 @@ def guard_process() -> bool:
     return True
 
 
+def held_memfds() -> list[int]:
+    """This process's descriptors that are an encrypted model's memfds (agent/unseal.py names them
+    fleet:PATH): in a worker, the ones the agent handed over."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:fleet:"):
+                out.append(int(name))
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    return out
+
+
+def guard_worker() -> bool:
+    """In a worker, first thing: undumpable (guard_process) when it was handed an encrypted model's
+    memfds, as it will hold the plaintext (an exec makes every process dumpable again): the other
+    workers of the agent's user can then neither read its memory nor open its descriptors."""
+    return bool(held_memfds()) and guard_process()
+
+
 def manifest_block(key: Key, chunk: int = CHUNK_BYTES) -> dict[str, object]:
     """What a manifest says of an encrypted model: how, and under which key (by id)."""
     return {"cipher": CIPHER, "chunk_bytes": chunk, "key_id": key.id}

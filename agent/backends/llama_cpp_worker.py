@@ -35,6 +35,7 @@ from typing import Any, Callable, Protocol
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..auth import worker_guard
+from ..sealed import guard_worker
 from . import openai_wire as wire
 
 GENERATE = {"/v1/chat/completions": True, "/v1/completions": False}
@@ -365,6 +366,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="llama_cpp_worker", description=__doc__.splitlines()[0])
     add_args_from_model(parser, Settings)
     args = parser.parse_args()
+    guard_worker()  # it will hold an encrypted model's plaintext: closed to the other workers
     # The library annotates these as returning the class; they return an instance.
     server: Any = parse_model_from_args(ServerSettings, args)
     model: Any = parse_model_from_args(ModelSettings, args)

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..auth import worker_guard
+from ..sealed import guard_worker, held_memfds
 from . import openai_wire as wire
 from .torch_engine import End, Engine, Job, Outbox, Params, speculative
 from .torch_prefix import PREFIX_TOKENS
@@ -256,15 +257,10 @@ def release_sealed() -> int:
     """Close the memfds of an encrypted model the agent handed over (agent/unseal.py), once loaded:
     the tensors hold the weights now (or map those pages, which a mapping keeps), and the descriptors
     would keep a second copy of the plaintext in memory for the server's life. How many were closed."""
-    closed = 0
-    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:fleet:"):
-                os.close(int(name))
-                closed += 1
-        except OSError:
-            continue
-    return closed
+    fds = held_memfds()
+    for fd in fds:
+        os.close(fd)
+    return len(fds)
 
 
 def main() -> None:
@@ -287,6 +283,7 @@ def main() -> None:
     ap.add_argument("--stream-buffer", type=int, default=STREAM_BUFFER,
                     help="tokens a slow reader may fall behind before its request pauses")
     args = ap.parse_args()
+    guard_worker()  # it will hold an encrypted model's plaintext: closed to the other workers
     served = Served(args.model, args.threads, args.context_length, args.draft, args.prompt_lookup, args.dtype,
                     args.max_batch, args.stream_buffer, args.device, args.prefix_cache)  # fails here, loudly
     served.name = args.served_name or served.name

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
@@ -304,3 +305,38 @@ def test_a_serving_agent_without_a_key_keeps_its_cluster_secret_from_its_users_p
         agent.terminate()
         agent.wait(15)
     assert got == {"environ": "Permission denied", "fd/0": "Permission denied"}, got
+
+
+WORKER = """import os, sys, time
+from agent.sealed import guard_worker
+print(os.getpid(), guard_worker(), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_DUMPABLE is Linux's")
+@pytest.mark.parametrize("handed", [True, False])
+def test_a_worker_handed_a_models_memfds_is_closed_to_the_other_workers(tmp_path: Path, handed: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    fd = os.memfd_create("fleet:model.gguf", os.MFD_CLOEXEC)
+    os.write(fd, b"plaintext")
+    log = tmp_path / "worker.log"
+    try:
+        proc = ProcessLauncher().launch([*BARE, sys.executable, "-c", WORKER], log, {}, (fd,) if handed else ())
+    finally:
+        os.close(fd)
+    try:
+        deadline = time.monotonic() + 30
+        while not log.read_text().endswith("\n"):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        pid, guarded = log.read_text().split()
+        got = read_proc(pid, str(fd))
+    finally:
+        proc.kill()
+        proc.proc.wait(10)
+    if handed:  # exec made it dumpable again; the worker guards itself before it loads anything
+        assert guarded == "True" and got == {"environ": "Permission denied", f"fd/{fd}": "Permission denied"}, got
+    else:
+        assert guarded == "False" and "PYTHONPATH=" in got["environ"], got

@@ -32,7 +32,7 @@ def test_round_trip(size: int) -> None:
     chunks = max(1, -(-size // CHUNK))
     assert len(sealed) == HEADER.size + size + chunks * TAG_BYTES
     assert opened(sealed) == plain
-    assert plain == b"" or plain not in sealed
+    assert len(plain) < 8 or plain not in sealed  # a byte or two of any plaintext turns up by chance
 
 
 def test_every_flipped_byte_is_found() -> None:
