@@ -224,7 +224,8 @@ class Fetcher:
             for f in manifest["files"]:
                 if not self.store.has_blob(f["sha256"]):
                     want = Partial(self._part(job, f), f["size"], lambda: job.bytes_done, self.node)
-                    job.partials.append((f["sha256"], self.partials.add(f["sha256"], want)))
+                    if self.partials.add(f["sha256"], want) is want:  # else another fetch writes (and forwards) it
+                        job.partials.append((f["sha256"], want))
             job.manifest = mf.canonical(manifest)
         forwarded = dict(job.partials)
         blobs: dict[str, str] = {}
