@@ -1,7 +1,8 @@
 """bench/fanout: one model from one source to eight agents, each agent in its own network namespace
 behind a veth pair whose egress is limited to 1 Gbit/s (tc tbf), and prints in one run: one node's
-copy time, fleet's planned fan-out (fleet apply: chains that forward pieces as they arrive), every
-receiver from the source at once, the bytes each link sent, and the ratio fan-out / one node.
+copy time, fleet's planned fan-out (fleet apply: chains that forward pieces as they arrive), the
+tree fleet planned before (each holder serving two whole copies), every receiver from the source at
+once, the bytes each link sent, and the ratio fan-out / one node.
 Target: <= 1.3. Needs root (ip netns, veth, tc); agent homes on a tmpfs when memory allows.
 
     .venv/bin/python bench/fanout.py [--gib 1.0] [--receivers 8] [--rate 1gbit]
@@ -194,26 +195,35 @@ def apply(root: Path, agents: Agents, digest: str, receivers: list[str]) -> tupl
     return took, done.stdout
 
 
-def from_source(agents: Agents, digest: str, receivers: list[str]) -> float:
-    """Every receiver asked at once to fetch from the source, through the agents' API; seconds."""
+def drive(agents: Agents, digest: str, peers: dict[str, str]) -> float:
+    """Each receiver fetches from its peer through the agents' API, as soon as that peer holds the
+    model (the source holds it from the start); seconds until all hold it."""
     began = time.monotonic()
-    for n in receivers:
-        r = httpx.put(f"{agents.url(n)}/v1/weights/{digest}", headers=AUTH, timeout=30,
-                      json={"peer": agents.url("src"), "name": "m"})
-        r.raise_for_status()
-    left = set(receivers)
+    holding, asked = {"src"}, set()
     deadline = began + 900
-    while left and time.monotonic() < deadline:
-        for n in sorted(left):
+    while len(holding) < len(peers) + 1 and time.monotonic() < deadline:
+        for n, peer in peers.items():
+            if n not in asked and peer in holding:
+                r = httpx.put(f"{agents.url(n)}/v1/weights/{digest}", headers=AUTH, timeout=30,
+                              json={"peer": agents.url(peer), "name": "m"})
+                r.raise_for_status()
+                asked.add(n)
+        for n in sorted(asked - holding):
             state = httpx.get(f"{agents.url(n)}/v1/weights/{digest}", headers=AUTH, timeout=30).json()
             if state["state"] == "present":
-                left.discard(n)
+                holding.add(n)
             elif state["state"] == "failed":
                 raise SystemExit(f"{n}: {state}")
         time.sleep(0.05)
-    if left:
-        raise SystemExit(f"still fetching after 900 s: {sorted(left)}")
+    if len(holding) < len(peers) + 1:
+        raise SystemExit(f"still fetching after 900 s: {sorted(set(peers) - holding)}")
     return time.monotonic() - began
+
+
+def tree(receivers: list[str]) -> dict[str, str]:
+    """fleet's arrangement before chains: every holder serves two whole copies, log2 rounds."""
+    peers = ["src"] + receivers
+    return {n: peers[i // 2] for i, n in enumerate(receivers)}
 
 
 def busy(cpu: float, seconds: float) -> str:
@@ -286,7 +296,14 @@ def main() -> None:
         agents.delete(receivers, digest)
 
         before, cpu = agents.sent(), agents.cpu()
-        everyone = from_source(agents, digest, receivers)
+        tree_s = drive(agents, digest, tree(receivers))
+        tree_links = delta(before, agents.sent())
+        print(f"tree (API, each holder serving two whole copies, as fleet planned before chains): {tree_s:6.2f} s; "
+              f"{busy(agents.cpu() - cpu, tree_s)}", flush=True)
+        agents.delete(receivers, digest)
+
+        before, cpu = agents.sent(), agents.cpu()
+        everyone = drive(agents, digest, {n: "src" for n in receivers})
         src_links = delta(before, agents.sent())
         print(f"everyone from the source (API, {len(receivers)} at once): {everyone:6.2f} s; "
               f"{busy(agents.cpu() - cpu, everyone)}", flush=True)
@@ -294,9 +311,10 @@ def main() -> None:
         print(f"bytes sent per link, in copies of the model ({size:,} bytes):")
         print(f"  one node:    {links(one_links, size)}")
         print(f"  fan-out:     {links(fan_links, size)}")
+        print(f"  tree:        {links(tree_links, size)}")
         print(f"  from source: {links(src_links, size)}")
-        print(f"ratio fan-out / one node: {fan / one:.2f} (target <= 1.3); everyone-from-source / one node: "
-              f"{everyone / one:.2f}")
+        print(f"ratio fan-out / one node: {fan / one:.2f} (target <= 1.3); tree / one node: {tree_s / one:.2f}; "
+              f"everyone-from-source / one node: {everyone / one:.2f}")
         print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:
         agents.stop()
