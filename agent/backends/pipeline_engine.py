@@ -67,6 +67,9 @@ class PipelineEngine:
 
     # Other threads.
 
+    def coming(self, n: int) -> None:
+        """A request on its way: nothing here (the first stage prefills newcomers as they come)."""
+
     def submit(self, job: Job) -> None:
         with self._lock:
             if self.failed is not None:

@@ -28,9 +28,10 @@ from .torch_prefix import PREFIX_TOKENS, Prefill
 
 PREFILL_TOKENS = 4096  # prompt tokens prefilled in one forward at most (a long prompt still goes alone)
 # An idle engine waits for requests arriving with the first (a burst reaches it one HTTP request at a
-# time) while they keep coming QUIET_S apart, GATHER_S at most: one prefill for all of them is one
-# pass over the weights, not one more per straggler. A lone request pays QUIET_S.
-QUIET_S, GATHER_S = 0.005, 0.025
+# time, 1-10 ms apart on a busy machine) while the HTTP side reads one (`coming`) or they keep
+# coming QUIET_S apart, GATHER_S at most: one prefill for all of them is one pass over the weights,
+# not one more per straggler. A lone request pays QUIET_S.
+QUIET_S, GATHER_S = 0.005, 0.05
 Notify = Callable[[Callable[[], None]], None]  # run a callback on the reader's event loop, from any thread
 
 
@@ -142,6 +143,7 @@ class Engine:
         self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._kick = threading.Event()
         self._arrived = 0.0  # perf_counter of the latest submit
+        self._coming = 0  # requests the HTTP side is reading (changed on its loop only)
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []  # the rows of self._rows, in order
         self._rows: Rows | None = None
@@ -163,6 +165,9 @@ class Engine:
         return {"steps": self.steps, "widest_step": self.widest, "set_aside": self.set_aside,
                 "rows": len(self._active) + len(self._aside), "waiting": len(self._waiting) + self._queue.qsize(),
                 "prefill_s": round(self.prefill_s, 3), "decode_s": round(self.decode_s, 3), **self.prefill.stats()}
+
+    def coming(self, n: int) -> None:
+        self._coming += n
 
     def submit(self, job: Job) -> None:
         self._arrived = time.perf_counter()
@@ -218,8 +223,8 @@ class Engine:
 
     def _gather(self) -> None:
         end = time.perf_counter() + GATHER_S
-        while (now := time.perf_counter()) < end and now - self._arrived < QUIET_S:
-            time.sleep(QUIET_S - (now - self._arrived))
+        while (now := time.perf_counter()) < end and (self._coming > 0 or now - self._arrived < QUIET_S):
+            time.sleep(QUIET_S / 2)
         while True:
             try:
                 self._waiting.append(self._queue.get_nowait())

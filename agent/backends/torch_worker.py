@@ -43,6 +43,8 @@ class Scheduler(Protocol):
 
     def submit(self, job: Job) -> None: ...
 
+    def coming(self, n: int) -> None: ...
+
     def kick(self) -> None: ...
 
     def stats(self) -> Mapping[str, float]: ...
@@ -172,12 +174,15 @@ def create_app(served: Served) -> Starlette:
         return JSONResponse(wire.model_entry(served.name, served.created))
 
     async def run(request: Request, chat: bool) -> Response:
+        served.engine.coming(1)  # an idle engine waits for a request on its way: a burst prefills together
         try:
             ask = wire.parse(await request.body(), chat)
             job = served.job(ask, served.tokens(ask))
+            served.engine.submit(job)
         except wire.BadRequest as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        served.engine.submit(job)
+        finally:
+            served.engine.coming(-1)
         cid, created = wire.new_id("chatcmpl" if chat else "cmpl"), int(time.time())
         text = Text(served.tokenizer, ask.sampling.stop)
         if not ask.stream:
