@@ -49,7 +49,7 @@ def greedy(stack: Stack, prompts: list[list[int]], cache: PrefixCache | None, st
 def test_cached_openings_give_the_same_logits_and_answers(stack: tuple[Stack, Any]) -> None:
     model, tok = stack
     prompts = [list(tok(OPENING + e)["input_ids"]) for e in ENDINGS]
-    ref_logits, ref = greedy(model, prompts, None, 12)
+    ref_logits, ref = greedy(model, prompts, None, 4)
     cache = PrefixCache(4096)
     with torch.inference_mode():
         rows, _ = model.prefill_many([prompts[0]])
@@ -58,10 +58,10 @@ def test_cached_openings_give_the_same_logits_and_answers(stack: tuple[Stack, An
     shared = min(common(prompts[0], p) for p in prompts[1:])
     assert [h.length if h else 0 for h in hits] == [len(prompts[0]) - 1] + [shared] * (len(prompts) - 1)
     assert shared >= 10, "the prompts should share their opening"
-    logits, out = greedy(model, prompts, cache, 12)
+    logits, out = greedy(model, prompts, cache, 4)
     assert out == ref
     assert torch.allclose(logits, ref_logits, atol=1e-4)
-    alone = [greedy(model, [p], cache, 12)[1][0] for p in prompts]  # one row after its known opening
+    alone = [greedy(model, [p], cache, 4)[1][0] for p in prompts]  # one row after its known opening
     assert alone == ref
 
 
