@@ -159,8 +159,11 @@ PATHLIKE = re.compile(r"/[\w.-]+/")
 @pytest.mark.parametrize("cluster, node", ENGINES, ids=IDS)
 def test_a_malformed_body_is_a_clean_400(served: Served, cluster: str, node: str, body: dict[str, Any]) -> None:
     direct = f"http://{ADDRESSES[node]}:{served.ports[cluster]}/v1/chat/completions"
-    for url in (served.base + "/chat/completions", direct):  # through the router, and from the worker itself
-        r = httpx.post(url, json={"model": cluster, **body}, timeout=60)
+    # The worker answers only the router's credential, which its agent reports in the state.
+    credential = next(s["credential"] for s in served.fleet.agents[node].get("/v1/state").json()["servers"]
+                      if s["id"] == f"{cluster}@{node}")
+    for url, key in ((served.base + "/chat/completions", "unused"), (direct, credential)):
+        r = httpx.post(url, json={"model": cluster, **body}, headers={"authorization": f"Bearer {key}"}, timeout=60)
         assert r.status_code == 400, (url, r.text)
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["message"], r.text
