@@ -300,8 +300,10 @@ def at_terminal(world: World, argv: list[str], answer: bytes) -> tuple[int, str,
     master, slave = os.openpty()
     # A session of its own with the terminal as its controlling one, so that Ctrl-C is a SIGINT
     # from the terminal, as at a shell; set up by a trampoline rather than preexec_fn (threads here).
-    trampoline = ("import fcntl, os, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-                  "os.execv(sys.argv[1], sys.argv[1:])")
+    # SIGINT back to its default as an interactive shell sets it: a suite run as a background job
+    # inherits it ignored, and fleet would rightly keep ignoring it.
+    trampoline = ("import fcntl, os, signal, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                  "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])")
     proc = subprocess.Popen([sys.executable, "-c", trampoline, fleet_bin(), *argv], stdin=slave,
                             stdout=subprocess.PIPE, stderr=slave, env=agent_env(
                                 FLEET_STATE_DIR=str(world.base / "state" / "tty")))
