@@ -39,7 +39,7 @@ class BearerAuth:
         self.expected = b"Bearer " + secret
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] == "lifespan" or (scope["type"] == "http" and scope["path"] in PUBLIC_PATHS):
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
@@ -49,11 +49,7 @@ class BearerAuth:
         code, message = (("secret_missing", "this agent requires the cluster secret as 'Authorization: Bearer <secret>'")
                          if given is None else
                          ("secret_wrong", "the cluster secret sent does not match this agent's FLEET_CLUSTER_SECRET"))
-        body = json.dumps({"error": {"code": code, "message": message}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b'Bearer realm="fleet-agent"')]})
-        await send({"type": "http.response.body", "body": body})
+        await _refuse(scope, send, {"code": code, "message": message}, b"fleet-agent")
 
 
 # A worker's credential reaches it in this environment variable, never on its command line: argv
@@ -84,17 +80,23 @@ class WorkerAuth:
         if given is not None and hmac.compare_digest(given, self.expected):
             await self.app(scope, receive, send)
             return
-        if scope["type"] != "http":  # a websocket: closed before it is accepted (the server says 403)
-            await send({"type": "websocket.close", "code": 1008})
-            return
         message = ("this worker answers only fleet's router: send requests to `fleet serve`, which checks "
                    "your API key and forwards them")
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                     "code": "invalid_worker_credential"}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b'Bearer realm="fleet-worker"')]})
-        await send({"type": "http.response.body", "body": body})
+        await _refuse(scope, send, {"message": message, "type": "invalid_request_error", "param": None,
+                                    "code": "invalid_worker_credential"}, b"fleet-worker")
+
+
+async def _refuse(scope: Scope, send: Send, error: dict[str, object], realm: bytes) -> None:
+    """A 401 with `error` as its JSON body; a websocket is closed before it is accepted (the
+    server answers its handshake 403)."""
+    if scope["type"] != "http":
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    body = json.dumps({"error": error}).encode()
+    await send({"type": "http.response.start", "status": 401,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"www-authenticate", b'Bearer realm="%s"' % realm)]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def worker_guard(app: ASGIApp) -> ASGIApp:
