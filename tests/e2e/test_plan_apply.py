@@ -71,6 +71,8 @@ def test_a_saved_plan_is_refused_after_a_config_edit(fleet: Fleet) -> None:
 
 def test_a_saved_plan_is_refused_after_a_node_changed(fleet: Fleet) -> None:
     planfile = fleet.base / "plan2.json"
+    fleet.write(replicas="  tiny: [a, b]", clusters=chat(fleet))  # running, whatever ran before this test
+    assert fleet.run("apply", "--auto-approve").returncode == 0
     fleet.write(replicas="  tiny: [a, b]", clusters=chat(fleet, context=200))
     assert fleet.run("plan", "-o", str(planfile)).returncode == 0
     httpx.delete(f"{fleet.agents['b'].url}/v1/servers/chat@b", headers=AUTH, timeout=60).raise_for_status()
