@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import ssl
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -123,16 +124,17 @@ def assemble(home: Path, identity: Identity, secret: bytes, version: str, gpu_pr
              launcher: Launcher, *, listen_host: str = "127.0.0.1", windows: tuple[Window, ...] = (),
              clock: Callable[[], datetime] = local_now, engines: dict[str, Any] | None = None,
              verify_every_s: float | None = DEFAULT_PERIOD_S, disk_reserve: int | None = None,
-             weights_key: Key | None = None) -> AgentContext:
+             weights_key: Key | None = None, peer_tls: ssl.SSLContext | None = None) -> AgentContext:
     """A real agent's parts under `home`: its weight store, a fetcher writing into it (keeping
     disk_reserve bytes free: None for the default), workers starting servers through `launcher`
     (on listen_host unless a request names another host), and a verifier of what the store holds,
     run at start and every verify_every_s seconds once the server's nursery opens (None: on demand only).
-    weights_key opens the encrypted models the store holds (agent/sealed.py)."""
+    weights_key opens the encrypted models the store holds (agent/sealed.py); peer_tls holds the CAs a
+    peer's certificate is checked with when a fetch goes over TLS (None: the system's)."""
     spawner = Spawner()
     store = Store(home, weights_key)
     store.sweep()  # what a crashed import or commit left half-written
-    fetcher = Fetcher(store, secret.decode(), spawner, node=identity.name, reserve=disk_reserve)
+    fetcher = Fetcher(store, secret.decode(), spawner, peer_tls, node=identity.name, reserve=disk_reserve)
     verifier = Verifier(store, fetcher)
     if verify_every_s is not None:
         spawner(verifier.run, verify_every_s)

@@ -17,10 +17,13 @@ from wire.windows import Window
 from . import __version__, environment, identity, inventory
 
 if TYPE_CHECKING:
+    import ssl
+
     from .sealed import Key
 
 DEFAULT_HOME = "/var/lib/fleet-agent"
 DEFAULT_PORT = 7070
+PEER_CA_ENV = "FLEET_PEER_CA_FILE"
 EXIT_REFUSED = Exit.INVALID_CONFIG  # the environment or the flags make it pointless: said why, did nothing
 
 
@@ -78,6 +81,22 @@ def _weights_key(args: argparse.Namespace, guard: bool = False) -> Key | None:
         os.environ.pop(KEY_FILE_ENV, None)
 
 
+def _peer_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The CAs a peer's certificate is checked with when this agent fetches from it over TLS
+    (--peer-ca-file or $FLEET_PEER_CA_FILE; else the system's), read now: a file that cannot be
+    read stops the agent at start, not its first fetch."""
+    import ssl
+
+    path = args.peer_ca_file or os.environ.get(PEER_CA_ENV)
+    if not path:
+        return None
+    try:
+        return ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise Refused(f"--peer-ca-file {path}: cannot read CA certificates from it: {reason}") from None
+
+
 def _listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
@@ -108,6 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise Refused("--tls-cert and --tls-key go together")
     host, port = _listen(args.listen)
+    peer_tls = _peer_tls(args)
     weights_key = _weights_key(args, guard=True)
 
     from .fetch import parse_size
@@ -127,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     ctx = assemble(home, ident, secret, __version__, probe, ProcessLauncher(), listen_host=host, windows=wins,
-                   verify_every_s=verify_every, disk_reserve=reserve, weights_key=weights_key)
+                   verify_every_s=verify_every, disk_reserve=reserve, weights_key=weights_key, peer_tls=peer_tls)
     return serve(create_app(ctx), host, port, ident, spawner=ctx.spawner, workers=ctx.workers,
                  tls_cert=args.tls_cert, tls_key=args.tls_key)
 
@@ -291,6 +311,10 @@ def build_parser() -> Parser:
                         "state then says simulated: true")
     p.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
+    p.add_argument("--peer-ca-file", metavar="FILE",
+                   help="fetching from a peer over HTTPS, trust the CAs in this PEM file (e.g. the one that signed the "
+                        "agents' certificates) and check the peer's certificate against its hostname in fleet.yaml "
+                        f"(default: ${PEER_CA_ENV}, else the system's CAs)")
     p.add_argument("--verify-every", default="24h", metavar="PERIOD",
                    help="re-hash every model held at start and then every PERIOD (90s, 30m, 24h, 7d), "
                         "one at a time in the background; a model that fails is reported corrupt and no "

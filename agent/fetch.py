@@ -59,6 +59,7 @@ class Job:
     name: str
     source_digest: str | None = None
     layers: LayerRange | None = None
+    peer_hostname: str | None = None  # the name the peer's TLS certificate is checked against (else its address)
     state: str = "fetching"  # fetching → present | failed
     bytes_total: int = 0
     bytes_done: int = 0  # verified or on disk, counting what a resume found
@@ -111,12 +112,13 @@ class Fetcher:
         self.rates = Rates(store.root / "link-rates.json" if store.root.is_dir() else None)
 
     def request(self, digest: str, peer: str, name: str = "", source_digest: str | None = None,
-                layers: LayerRange | None = None) -> Job:
+                layers: LayerRange | None = None, peer_hostname: str | None = None) -> Job:
         """Start a fetch, or join the one already running for this digest."""
         job = self.jobs.get(digest)
         if job is not None and job.state == "fetching":
             return job
-        job = Job(digest=digest, peer=peer.rstrip("/"), name=name, source_digest=source_digest, layers=layers)
+        job = Job(digest=digest, peer=peer.rstrip("/"), name=name, source_digest=source_digest, layers=layers,
+                  peer_hostname=peer_hostname)
         self.jobs[digest] = job
         self.spawn(self._run, job)
         return job
@@ -136,7 +138,7 @@ class Fetcher:
             self.rates.record(job.peer, job.bytes_fetched, time.monotonic() - job.started)
         except (FetchError, PeerError, mf.ManifestError) as exc:
             job.state, job.error = "failed", str(exc)
-            job.code = exc.code if isinstance(exc, FetchError) else "fetch_failed"
+            job.code = exc.code if isinstance(exc, (FetchError, PeerError)) else "fetch_failed"
             job.resumable = isinstance(exc, PeerError) and exc.resumable
         except Exception as exc:  # a bug: keep it visible in the job, never kill the agent
             job.state, job.error = "failed", f"internal error: {type(exc).__name__}: {exc}"
@@ -153,7 +155,8 @@ class Fetcher:
         deadline = trio.current_time() + PEER_START_S
         while True:
             try:
-                body = await get_bytes(job.peer, f"/v1/manifests/{digest}", self.secret, ssl_context=self.ssl_context)
+                body = await get_bytes(job.peer, f"/v1/manifests/{digest}", self.secret, ssl_context=self.ssl_context,
+                                       server_hostname=job.peer_hostname)
                 break
             except PeerError as exc:
                 if exc.status != 404:
@@ -272,7 +275,8 @@ class Fetcher:
         """A file with a piece list: each piece checked as it lands and then published to `partial`
         (served to peers), the whole file checked at the end; a bad piece is cut off and named."""
         async def download(path: str, first: int, last: int, take: Take) -> int:
-            return await get(job.peer, path, self.secret, take, start=first, end=last, ssl_context=self.ssl_context)
+            return await get(job.peer, path, self.secret, take, start=first, end=last, ssl_context=self.ssl_context,
+                             server_hostname=job.peer_hostname)
 
         try:
             await write_pieced(job, part, f, partial, download, self.store.blob_path(f["sha256"]), self.node)
@@ -315,7 +319,7 @@ class Fetcher:
                         try:
                             await get(job.peer, f"/v1/blobs/{seg.blob}", self.secret, take,
                                       start=seg.begin + kept, end=seg.begin + seg.size - 1,
-                                      ssl_context=self.ssl_context)
+                                      ssl_context=self.ssl_context, server_hostname=job.peer_hostname)
                         finally:
                             fh.flush()  # what arrived is kept for a resume (unless the disk is full)
                 actual = h.hexdigest()

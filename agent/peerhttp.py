@@ -47,15 +47,20 @@ def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | bytearray |
 
 
 class PeerError(Exception):
-    """A failed transfer. `resumable` is true when what was received so far is good to keep."""
+    """A failed transfer. `resumable` is true when what was received so far is good to keep; `code` is
+    the stable code the fetch fails with, `answer_code` the one the peer's error answer carried."""
 
-    def __init__(self, message: str, *, status: int | None = None, resumable: bool = False) -> None:
+    def __init__(self, message: str, *, status: int | None = None, resumable: bool = False,
+                 code: str = "fetch_failed", answer_code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.resumable = resumable
+        self.code = code
+        self.answer_code = answer_code
 
 
-async def _connect(base: str, ssl_context: ssl.SSLContext | None) -> tuple[trio.abc.Stream, str]:
+async def _connect(base: str, ssl_context: ssl.SSLContext | None,
+                   server_hostname: str | None = None) -> tuple[trio.abc.Stream, str]:
     parts = urlsplit(base)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
     try:
@@ -63,18 +68,41 @@ async def _connect(base: str, ssl_context: ssl.SSLContext | None) -> tuple[trio.
     except OSError as exc:
         raise PeerError(f"cannot connect to peer {base}: {exc.strerror or exc}", resumable=True) from None
     if parts.scheme == "https":
-        tls = trio.SSLStream(stream, ssl_context or ssl.create_default_context(), server_hostname=host)
-        await tls.do_handshake()
+        # As the control plane checks an agent (reconciler/transport.py): the certificate against the
+        # name the peer goes by in fleet.yaml (sent as SNI too); its address is only where to connect.
+        name = server_hostname or host
+        tls = trio.SSLStream(stream, ssl_context or ssl.create_default_context(), server_hostname=name)
+        try:
+            await tls.do_handshake()
+        except (trio.BrokenResourceError, OSError) as exc:
+            await trio.aclose_forcefully(tls)
+            refused = _tls_error(exc)
+            if refused is None:  # the connection broke, not the trust: worth asking again
+                raise PeerError(f"connection to peer {base} broke during the TLS handshake: {exc}",
+                                resumable=True) from None
+            why = (f"certificate verify failed: {refused.verify_message}"
+                   if isinstance(refused, ssl.SSLCertVerificationError) else str(refused))
+            # Final: asking again meets the same certificate.
+            raise PeerError(f"TLS with peer {base} (checked as {name!r}) failed: {why}",
+                            code="peer_tls_failed") from None
         stream = tls
     return stream, f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
 
 
+def _tls_error(exc: BaseException | None) -> ssl.SSLError | None:
+    """The TLS error under a failed handshake (trio raises BrokenResourceError from it), if any."""
+    while exc is not None and not isinstance(exc, ssl.SSLError):
+        exc = exc.__cause__ or exc.__context__
+    return exc
+
+
 async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | bytearray | memoryview], None], *,
               start: int | None = None, end: int | None = None,
-              ssl_context: ssl.SSLContext | None = None) -> int:
+              ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None) -> int:
     """GET base+path (bytes start..end inclusive when given), feeding the body to `on_data` as it
-    arrives. Returns the status (200 or 206). Raises PeerError with the peer's own message."""
-    stream, hostport = await _connect(base, ssl_context)
+    arrives. Returns the status (200 or 206). Raises PeerError with the peer's own message. Over
+    TLS the peer's certificate is checked against `server_hostname` (else the URL's host)."""
+    stream, hostport = await _connect(base, ssl_context, server_hostname)
     async with stream:
         range_header = f"Range: bytes={start}-{'' if end is None else end}\r\n" if start is not None else ""
         request = (f"GET {path} HTTP/1.1\r\nHost: {hostport}\r\nAuthorization: Bearer {secret}\r\n"
@@ -105,7 +133,7 @@ async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | byte
                         break
                     body += more
                 raise PeerError(f"peer {base} answered {status} for {path}: {_message(body)}", status=status,
-                                resumable=status >= 500)
+                                resumable=status >= 500, answer_code=_code(body))
             if start is not None and start > 0 and status != 206:
                 raise PeerError(f"peer {base} ignored the Range request for {path}")
             got = 0
@@ -135,7 +163,7 @@ async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | byte
 
 
 async def get_bytes(base: str, path: str, secret: str, *, limit: int = 64 << 20,
-                    ssl_context: ssl.SSLContext | None = None) -> bytes:
+                    ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None) -> bytes:
     parts: list[bytes] = []
     size = 0
 
@@ -146,8 +174,16 @@ async def get_bytes(base: str, path: str, secret: str, *, limit: int = 64 << 20,
             raise PeerError(f"peer {base} sent more than {limit} bytes for {path}")
         parts.append(bytes(chunk))  # the view is reused for the next read
 
-    await get(base, path, secret, take, ssl_context=ssl_context)
+    await get(base, path, secret, take, ssl_context=ssl_context, server_hostname=server_hostname)
     return b"".join(parts)
+
+
+def _code(body: bytes) -> str | None:
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 def _message(body: bytes) -> str:

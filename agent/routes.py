@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 # \Z, not $: under re.match `$` also matches before a final newline.
 PEER_URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}/?\Z")
+# The name a peer's certificate is checked against (its fleet.yaml hostname): a host name or address,
+# nothing that could change what the TLS handshake sends.
+PEER_HOSTNAME = re.compile(r"^[A-Za-z0-9_.:-]{1,253}\Z")
 
 ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 
@@ -133,6 +136,9 @@ class Weights:
             return error_response(400, "bad_peer", "peer must be an agent URL such as http://10.0.0.2:7070")
         if (refused := past_window(self.ctx, peer, body.get("bytes"))) is not None:
             return refused
+        peer_hostname = body.get("peer_hostname")
+        if peer_hostname is not None and (not isinstance(peer_hostname, str) or not PEER_HOSTNAME.match(peer_hostname)):
+            return error_response(400, "bad_peer", "peer_hostname must be the peer's host name, such as node-a.example")
         name = body.get("name", "")
         if not isinstance(name, str) or len(name) > 256 or "\x00" in name:
             return error_response(400, "bad_request", "name must be a string of at most 256 characters")
@@ -147,7 +153,7 @@ class Weights:
             if not isinstance(source, str):
                 return error_response(400, "bad_request", "a slice needs source_digest: the full model's digest")
             mf.check_digest(source)
-        job = self.ctx.fetcher.request(digest, peer, name, source, rng)
+        job = self.ctx.fetcher.request(digest, peer, name, source, rng, peer_hostname)
         return JSONResponse(job.to_json(), status_code=202)
 
     async def get(self, request: Request) -> Response:

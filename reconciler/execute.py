@@ -227,7 +227,10 @@ class Executor:
 
     async def replicate(self, c: Change, tally: _Tally) -> str:
         node, digest, peer = self.d.nodes[c.node], c.details["digest"], c.details["peer"]
-        body: dict[str, Any] = {"peer": self.d.nodes[peer].agent_url, "name": c.details["model"]}
+        source = self.d.nodes[peer]
+        body: dict[str, Any] = {"peer": source.agent_url, "name": c.details["model"]}
+        if source.tls and source.hostname:  # the agent checks the peer's certificate as we do: by its name
+            body["peer_hostname"] = source.hostname
         if "bytes" in c.details:  # the plan's figure: the agent refuses a fetch its window cannot hold
             body["bytes"] = c.details["bytes"]
         if c.details.get("layers"):
