@@ -159,6 +159,10 @@ class Fetcher:
                                        server_hostname=job.peer_hostname)
                 break
             except PeerError as exc:
+                if exc.answer_code == "encrypted_not_served":  # final: the plan's error, met on the node
+                    raise FetchError(f"node {self.node!r} cannot fetch {digest} from peer {job.peer}: the peer holds "
+                                     "it encrypted at rest, and encrypted weights never leave the node that holds "
+                                     "their key", "encrypted_remote_unsupported") from None
                 if exc.status != 404:
                     raise
                 if trio.current_time() > deadline:

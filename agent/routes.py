@@ -3,6 +3,7 @@ given; every refusal answers {"error": {"code", "message"}} with a stable code."
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
@@ -101,7 +102,12 @@ class Weights:
     async def manifest(self, request: Request) -> Response:
         digest = digest_param(request)
         try:
-            return Response(self.ctx.store.manifest_bytes(digest), media_type="application/json")
+            held = self.ctx.store.manifest_bytes(digest)
+            if json.loads(held).get("encryption") is not None:
+                return error_response(403, "encrypted_not_served", f"{digest} is encrypted at rest on node "
+                                      f"{self.ctx.identity.name!r}: encrypted weights never leave the node that holds "
+                                      "their key, so no peer is served its manifest or its files")
+            return Response(held, media_type="application/json")
         except StoreError as exc:
             fetching = self.ctx.fetcher.manifest_of(digest)  # a chain: served while it is fetched here
             if fetching is not None:

@@ -220,8 +220,11 @@ def test_planned_applied_served_and_never_on_disk(sealed: Sealed) -> None:
     found = scan([sealed.models], sealed.needles)
     assert {int(hit.rsplit(" ", 1)[1]) for hit in found} == set(range(len(sealed.needles))), found
     assert scan(sealed.dirs, sealed.needles) == []
-    # Peers are never served an encrypted model's bytes, under any name the store knows them by.
-    held = json.loads(sealed.agent.get(f"/v1/manifests/{sealed.digests['st']}").text)
+    # Peers are never served an encrypted model's bytes, under any name the store knows them by, nor
+    # its manifest.
+    refused = sealed.agent.get(f"/v1/manifests/{sealed.digests['st']}")
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "encrypted_not_served", refused.text
+    held = json.loads((sealed.agent.home / "store" / "manifests" / f"{sealed.digests['st'][7:]}.json").read_text())
     for f_ in held["files"]:
         assert sealed.agent.get(f"/v1/blobs/{f_['sha256']}").status_code == 404
     for blob in (sealed.agent.home / "store" / "sealed").iterdir():
