@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from wire import live
 from wire import manifest as mf
 from wire.layers import LayerRange, LayerRangeError
 from wire.windows import status
@@ -259,9 +260,10 @@ class Node:
         state = self.ctx.state()
         tag = generation(state)
         etag = f'"{tag}"'
-        # The control plane asks again with the generation it holds: unchanged, it gets no body.
+        # The control plane asks again with the generation it holds: unchanged, it gets no body,
+        # only the values a generation leaves out (wire/live.py), so what it holds is brought up to now.
         if request.headers.get("if-none-match") == etag:
-            return Response(status_code=304, headers={"etag": etag})
+            return Response(status_code=304, headers={"etag": etag, live.HEADER: live.encode(state)})
         return JSONResponse({**state, "generation": tag}, headers={"etag": etag})
 
     async def metrics(self, _: Request) -> Response:

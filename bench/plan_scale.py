@@ -6,8 +6,11 @@ plan wall time and the plan process's CPU per node, and apply time, with the tar
 Targets (issue 16, at 10,000 nodes): plan <= 5 s wall and <= 0.3 ms of client CPU per node; apply
 of 10,000 start actions <= 30 s. The simulated agents run on the same machine as fleet: their CPU
 is printed too, and the machine's cores and load (a shared machine's figures vary with its load).
-After each plan, the same steps run once more in this process, each timed alone (CPU): reading
-the file, asking the agents, planning, writing the JSON; so a change's effect shows where it lands.
+Each size is planned cold (no cache of observed states: a CI pipeline's first plan, which then
+writes it) and warm (the next plan: every agent is still asked, and answers 304 for the state
+held; reconciler/obscache.py). After the plans, the same steps run in this process, cold then
+warm, each timed alone (CPU): reading the file, reading the cache, asking the agents, keeping the
+states, planning, writing the JSON; so a change's effect shows where it lands.
 
     .venv/bin/python bench/plan_scale.py [--sizes 1000,10000] [--apply-sizes 1000,10000] [--no-split]
 """
@@ -28,6 +31,9 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.simfleet import DIGEST, FIRST, cpu_of, machine, simulated  # noqa: E402
+from reconciler.model import Desired  # noqa: E402
+from reconciler.obscache import DIR_ENV, OFF_ENV  # noqa: E402
+from reconciler.observed import Observed, ObservedNode  # noqa: E402
 from tests.agents import agent_env  # noqa: E402
 from tests.conftest import fleet_bin  # noqa: E402
 
@@ -59,13 +65,20 @@ def timed(cmd: list[str], env: dict[str, str], sims: list[int]) -> tuple[float, 
     return wall, cpu, sum(cpu_of(p) for p in sims) - sim_before, proc
 
 
-def split(path: Path, secret: str) -> str:
-    """CPU of each step of `fleet plan --json`, in this process (its imports already done)."""
+def split(path: Path, secret: str, cache_dir: Path) -> str:
+    """CPU of each step of `fleet plan --json`, in this process (its imports already done), with
+    the observation cache in `cache_dir` (empty: cold; as a plan left it: warm)."""
     import trio
 
-    from reconciler import commands, config
-    from reconciler.observe import kept_to_the_end
+    from reconciler import config
+    from reconciler.client import AgentClient
+    from reconciler.obscache import ObservationCache
+    from reconciler.observe import kept_to_the_end, observe
     from reconciler.planner import plan
+
+    async def ask(desired: Desired, held: dict[str, ObservedNode]) -> Observed:
+        async with AgentClient(secret, timeout=10.0) as client:
+            return await observe(desired, client, timeout=10.0, held=held, bring_up=True)
 
     steps: list[tuple[str, float]] = []
     at = time.process_time()
@@ -79,9 +92,14 @@ def split(path: Path, secret: str) -> str:
     loaded = config.load(path)
     assert loaded.desired is not None, loaded.diagnostics[:3]
     step("read the file")
+    cache = ObservationCache(cache_dir / "observed.bin", lambda message: print(f"  warning: {message}"))
     with kept_to_the_end():
-        observed = trio.run(commands._observe, loaded.desired, 10.0, secret)
-    step("ask the agents")
+        held = cache.load(loaded.desired)
+        step("read the cache")
+        observed = trio.run(ask, loaded.desired, held)
+        step("ask the agents")
+        cache.save(loaded.desired, observed)
+        step("keep the states")
     p = plan(loaded.desired, observed, config_digest=loaded.digest or "", config_file=loaded.filename)
     step("plan")
     json.dumps(p.to_json(), indent=2)
@@ -115,28 +133,34 @@ def main() -> None:
         # Python start-up and imports, measured alone, so the per-node cost can be told apart.
         wall0, cpu0, _, _ = timed([fleet_bin(), "--version"], env, [])
         print(f"fleet process start-up alone: {wall0:.2f} s wall, {cpu0 * 1000:.0f} ms CPU")
-        for n in [int(x) for x in args.sizes.split(",") if x]:
+        for n in [int(x) for x in args.sizes.split(",") if x and int(x) > 0]:
             def plan(path: Path, sims: list[int]) -> None:
-                timed([fleet_bin(), "plan", "--json", "-f", str(path)], env, sims)  # warm: page cache, sockets
-                print(f"  before the plan: {machine()}")
-                wall, cpu, sim, proc = timed([fleet_bin(), "plan", "--json", "-f", str(path)], env, sims)
-                data = json.loads(proc.stdout)
-                assert data["summary"]["start"] == n, data["diagnostics"][:3]
-                per = cpu * 1000 / n
-                print(f"plan  N={n:5d}: {wall:6.2f} s wall (target <= {PLAN_WALL_S:g} s at 10,000: "
-                      f"{target(wall <= PLAN_WALL_S, n)}), fleet CPU {per:.3f} ms/node (target <= {PLAN_CPU_MS} ms: "
-                      f"{target(per <= PLAN_CPU_MS, n)}; {(cpu - cpu0) * 1000 / n:.3f} ms/node beyond start-up); "
-                      f"the simulated agents' CPU {sim * 1000 / n:.3f} ms/node; {n} starts planned")
+                # page cache, sockets: a plan that neither reads nor writes the observation cache
+                timed([fleet_bin(), "plan", "--json", "-f", str(path)], {**env, OFF_ENV: "off"}, sims)
+                cached = {**env, DIR_ENV: str(base / f"cache{n}")}
+                # cold: no cache (a CI pipeline's first plan), which it then writes; warm: the next
+                # plan, every agent unchanged (asked all the same, answering 304)
+                for kind in ("cold", "warm"):
+                    print(f"  before the {kind} plan: {machine()}")
+                    wall, cpu, sim, proc = timed([fleet_bin(), "plan", "--json", "-f", str(path)], cached, sims)
+                    data = json.loads(proc.stdout)
+                    assert data["summary"]["start"] == n, data["diagnostics"][:3]
+                    per = cpu * 1000 / n
+                    print(f"plan  N={n:5d} {kind}: {wall:6.2f} s wall (target <= {PLAN_WALL_S:g} s at 10,000: "
+                          f"{target(wall <= PLAN_WALL_S, n)}), fleet CPU {per:.3f} ms/node (target <= {PLAN_CPU_MS}"
+                          f" ms: {target(per <= PLAN_CPU_MS, n)}; {(cpu - cpu0) * 1000 / n:.3f} ms/node beyond "
+                          f"start-up); the simulated agents' CPU {sim * 1000 / n:.3f} ms/node; {n} starts planned")
                 if args.split:
-                    print(f"  split by step (CPU, in process): {split(path, env['FLEET_CLUSTER_SECRET'])}; "
-                          f"{machine()}")
+                    for kind in ("cold", "warm"):  # the same cache directory: empty first, then as cold left it
+                        print(f"  split by step, {kind} (CPU, in process): "
+                              f"{split(path, env['FLEET_CLUSTER_SECRET'], base / f'split{n}')}; {machine()}")
             with_agents(base, n, args.sim_processes, plan)
-        for n in [int(x) for x in args.apply_sizes.split(",") if x]:
+        for n in [int(x) for x in args.apply_sizes.split(",") if x and int(x) > 0]:
             def apply(path: Path, sims: list[int]) -> None:
                 print(f"  before the apply: {machine()}")
                 wall, cpu, sim, proc = timed([fleet_bin(), "apply", "--auto-approve", "-f", str(path), "--state-dir",
                                               str(base / f"state{n}"), "--parallelism", str(args.parallelism)],
-                                             env, sims)
+                                             {**env, DIR_ENV: str(base / f"apply-cache{n}")}, sims)  # cold
                 assert proc.returncode == 0, proc.stderr[-2000:]
                 print(f"apply N={n:5d}: {wall:6.2f} s wall for plan + {n} start actions (target <= "
                       f"{APPLY_WALL_S:g} s at 10,000: {target(wall <= APPLY_WALL_S, n)}; {wall / n * 1000:.2f} ms per "

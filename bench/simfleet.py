@@ -39,7 +39,9 @@ def simulated(base: Path, n: int, processes: int = 2) -> Iterator[tuple[int, lis
     gpus.write_text(json.dumps([{"name": "SIMULATED H100", "memory_total_bytes": 80 << 30}]))
     first = ipaddress.IPv4Address(FIRST)
     port = free_port(FIRST)
-    share = -(-n // processes)
+    if n < 1:
+        raise ValueError(f"a simulated fleet needs at least one agent, not {n}")
+    share = -(-n // max(1, processes))
     procs = []
     try:
         started = time.perf_counter()

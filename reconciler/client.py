@@ -8,12 +8,16 @@ import copy
 import json
 import math
 import ssl
+from dataclasses import dataclass
 from functools import cache
 from typing import Any, Callable
 
 import fastjsonschema
 import trio
 from jsonschema import Draft202012Validator
+
+from wire import live
+from wire.live import Live
 
 from .agent_errors import (AgentError, AgentHTTPError, AgentProtocolError, NodeAuthRejected, NodeTlsFailed,
                            NodeUnreachable, NotAnAgent, cause, excerpt)
@@ -22,7 +26,7 @@ from .model import NodeSpec
 from .schema import Validator, load_schema
 from .transport import AgentRequest, SocketTransport, Transport
 
-__all__ = ["AgentClient", "AgentError", "AgentHTTPError", "AgentProtocolError", "NodeAuthRejected",
+__all__ = ["AgentClient", "Unchanged", "AgentError", "AgentHTTPError", "AgentProtocolError", "NodeAuthRejected",
            "NodeTlsFailed", "NodeUnreachable", "NotAnAgent"]
 
 
@@ -45,6 +49,14 @@ def _state_check() -> Callable[[Any], Any]:
     newest fastjsonschema compiles; on a failure the generic validator names the field."""
     return fastjsonschema.compile({**copy.deepcopy(load_schema("agent-state.schema.json")),
                                    "$schema": "http://json-schema.org/draft-07/schema#"})
+
+
+@dataclass(frozen=True, slots=True)
+class Unchanged:
+    """GET /v1/state's 304: the state is still the generation asked about. `live`: its moving values
+    now (wire/live.py); None from an agent that does not send them, or sent something else."""
+
+    live: Live | None
 
 
 class AgentClient:
@@ -73,6 +85,11 @@ class AgentClient:
         (304). `timeout`: this call's, instead of the client's; math.inf: none of its own, the caller's
         deadline bounds it (observe moves one deadline per worker: a scope per call was a tenth of a
         quiet heartbeat's CPU at 10,000 agents)."""
+        status, content = await self._exchange(node, method, path, json_body, unless, timeout)
+        return _answer(node, status, content, raw=raw, ok404=ok404, request=(method, path))
+
+    async def _exchange(self, node: NodeSpec, method: str, path: str, json_body: Any, unless: str | None,
+                        timeout: float | None) -> tuple[int, bytes]:
         body = json.dumps(json_body).encode() if json_body is not None else None
         timeout = self._timeout if timeout is None else timeout
         request = AgentRequest(method, node, path, body, self._secret, unless)
@@ -91,14 +108,17 @@ class AgentClient:
                        if isinstance(tls, ssl.SSLCertVerificationError) else str(tls))
                 raise NodeTlsFailed(node, why) from None
             raise NodeUnreachable(node, cause(exc)) from None
-        return _answer(node, status, content, raw=raw, ok404=ok404, request=(method, path))
+        return status, content
 
     async def state(self, node: NodeSpec, unless: str | None = None,
-                    timeout: float | None = None) -> dict[str, Any] | None:
-        """The node's state, checked against the schema; None when it is still generation `unless`."""
-        data = await self.request(node, "GET", "/v1/state", unless=unless, timeout=timeout)
-        if data is None:
-            return None
+                    timeout: float | None = None) -> dict[str, Any] | Unchanged:
+        """The node's state, checked against the schema; Unchanged when it is still generation `unless`."""
+        status, content = await self._exchange(node, "GET", "/v1/state", None, unless, timeout)
+        if status == 304:
+            if unless is None:
+                raise AgentProtocolError(node, "304 Not Modified to a request that named no generation")
+            return Unchanged(live.decode(content) if content else None)
+        data = _answer(node, status, content)
         try:
             _state_check()(data)
             return data  # type: ignore[no-any-return]

@@ -22,6 +22,7 @@ from .drain import Drainer
 from .execute import Executor, Result
 from .exitcodes import Exit
 from .model import Desired
+from .obscache import ObservationCache
 from .observe import kept_to_the_end, observe
 from .observed import Observed, from_snapshot
 from .outcome import Failure, print_json
@@ -53,9 +54,19 @@ def _secret() -> str:
     return secret
 
 
-async def _observe(desired: Desired, timeout: float, secret: str) -> Observed:
+async def _observe(desired: Desired, timeout: float, secret: str, cache: ObservationCache | None = None) -> Observed:
+    """Every agent asked; with a cache, those whose state it holds asked for news only (obscache.py)."""
+    held = cache.load(desired) if cache is not None else {}
     async with AgentClient(secret, timeout=timeout) as client:
-        return await observe(desired, client, timeout=timeout)
+        seen = await observe(desired, client, timeout=timeout, held=held, bring_up=True)
+    if cache is not None:
+        cache.save(desired, seen)
+    return seen
+
+
+def _cache(loaded: config.Loaded) -> ObservationCache | None:
+    return ObservationCache.for_file(loaded.filename, lambda message: console(stderr=True).print(
+        f"[yellow]warning:[/] {escape(message)}"))
 
 
 def _write(path: str, text: str, what: str) -> None:
@@ -68,7 +79,7 @@ def _write(path: str, text: str, what: str) -> None:
 def cmd_observe(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
     assert loaded.desired is not None
-    observed = trio.run(_observe, loaded.desired, args.timeout, _secret())
+    observed = trio.run(_observe, loaded.desired, args.timeout, _secret(), _cache(loaded))
     text = json.dumps(observed.to_snapshot(), indent=2)
     if args.out:
         _write(args.out, text, "the snapshot")
@@ -90,7 +101,7 @@ def _plan(loaded: config.Loaded, args: argparse.Namespace) -> Plan:
                           f"cannot read the snapshot {args.observed}: {exc}") from None
     else:
         with kept_to_the_end():
-            observed = trio.run(_observe, loaded.desired, args.timeout, _secret())
+            observed = trio.run(_observe, loaded.desired, args.timeout, _secret(), _cache(loaded))
     warnings = tuple(d for d in loaded.diagnostics if not d.is_error)
     p = make_plan(loaded.desired, observed, targets=tuple(args.target or ()),
                   config_digest=loaded.digest or "", config_file=loaded.filename)

@@ -14,9 +14,9 @@ from typing import Any, Collection, Iterator, Mapping, Protocol
 
 import trio
 
-from .client import AgentClient, AgentError
+from .client import AgentClient, AgentError, Unchanged
 from .model import Desired
-from .observed import Observed, ObservedNode, node_from_state
+from .observed import Observed, ObservedNode, brought_up, node_from_state
 
 DEFAULT_CONCURRENCY = 64
 DEFAULT_TIMEOUT_S = 10.0
@@ -31,9 +31,11 @@ class Observer(Protocol):
 async def observe(desired: Desired, client: AgentClient, *, concurrency: int = DEFAULT_CONCURRENCY,
                   timeout: float = DEFAULT_TIMEOUT_S, held: Mapping[str, ObservedNode] | None = None,
                   manifests: dict[str, dict[str, Any]] | None = None,
-                  only: Collection[str] | None = None) -> Observed:
+                  only: Collection[str] | None = None, bring_up: bool = False) -> Observed:
     """`held`: nodes from an earlier observation, asked for news only (kept as they are when their
-    agent says unchanged); `manifests`: full manifests already fetched, by digest, added to."""
+    agent says unchanged; with `bring_up`, brought up to now with the moving values its 304 carries,
+    and asked for whole when it carries none); `manifests`: full manifests already fetched, by
+    digest, added to."""
     nodes: dict[str, ObservedNode] = {}
     known = held or {}
     names = iter(desired.nodes if only is None else [n for n in desired.nodes if n in only])
@@ -41,9 +43,18 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
     async def one(name: str) -> None:
         before = known.get(name)
         generation = before.generation if before is not None and before.ok else None
+        spec = desired.nodes[name]
         try:
-            state = await client.state(desired.nodes[name], unless=generation, timeout=math.inf)
-            nodes[name] = before if state is None and before is not None else node_from_state(name, state or {})
+            state = await client.state(spec, unless=generation, timeout=math.inf)
+            if isinstance(state, Unchanged):  # only ever for a generation asked about: `before`'s
+                assert before is not None
+                now = brought_up(before, state.live) if bring_up else before
+                if now is not None:
+                    nodes[name] = now
+                    return
+                state = await client.state(spec, timeout=math.inf)  # no moving values that fit: asked whole
+            assert not isinstance(state, Unchanged)  # asked with no generation: the client refuses a 304
+            nodes[name] = node_from_state(name, state)
         except AgentError as exc:
             nodes[name] = ObservedNode(name, exc.code, exc.message)
 

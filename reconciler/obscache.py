@@ -1,0 +1,126 @@
+"""The states `fleet plan` (and apply, observe) last observed, kept between runs per fleet file and
+per user, so that an agent whose state has not changed answers 304 and nothing is parsed, checked
+or typed again. Never trusted alone: every agent is still asked on every run, a held state is used
+only once its agent confirms its generation, brought up to now with the moving values the 304
+carries (wire/live.py); any other answer replaces it.
+
+The file is the user's own (0600 in a 0700 directory), written whole under a new name and renamed,
+with a checksum; one that is not ours, not only the user's, or does not check is ignored with a
+warning and rewritten. It holds no workers' credentials (ObservedNode.state never does)."""
+
+from __future__ import annotations
+
+import hashlib
+import marshal
+import os
+import stat
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import platformdirs
+
+from .model import Desired, NodeSpec
+from .observed import Observed, ObservedNode, node_from_state
+
+DIR_ENV = "FLEET_CACHE_DIR"  # the cache directory (default: the user's cache directory for fleet)
+OFF_ENV = "FLEET_OBSERVE_CACHE"  # "off": no cache is read or written
+MAGIC = b"fleet observed-states cache 1\n"
+# marshal's format is the interpreter's: a cache another Python wrote is not read, only rewritten.
+TAG = f"{sys.implementation.cache_tag} marshal {marshal.version}\n".encode()
+MAX_BYTES = 256 << 20  # a fleet's states past this are not kept (the next run asks for all of them whole)
+
+Warn = Callable[[str], None]
+Entry = tuple[str, dict[str, Any]]  # (where the agent was asked: "ADDRESS:PORT tls|plain", its state)
+
+
+def _where(spec: NodeSpec) -> str:
+    return f"{spec.address}:{spec.agent_port} {'tls' if spec.tls else 'plain'}"
+
+
+@dataclass(frozen=True, slots=True)
+class ObservationCache:
+    path: Path
+    warn: Warn
+
+    @classmethod
+    def for_file(cls, fleet_file: str | Path, warn: Warn) -> ObservationCache | None:
+        """The cache of this fleet file (by its absolute path); None when FLEET_OBSERVE_CACHE=off."""
+        if os.environ.get(OFF_ENV, "").lower() == "off":
+            return None
+        base = Path(os.environ.get(DIR_ENV) or platformdirs.user_cache_dir("fleet"))
+        key = hashlib.sha256(str(Path(fleet_file).absolute()).encode()).hexdigest()[:24]
+        return cls(base / "observed" / f"{key}.bin", warn)
+
+    def load(self, desired: Desired) -> dict[str, ObservedNode]:
+        """The nodes held for this fleet's nodes, each at the address it has now; {} when there is
+        no cache, or one that cannot be used (with a warning)."""
+        try:
+            entries = self._read()
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, EOFError, TypeError) as exc:
+            self.warn(f"the cache of observed states {self.path} is ignored ({exc}); every state is asked for whole")
+            return {}
+        held = {}
+        for name, spec in desired.nodes.items():
+            entry = entries.get(name)
+            if entry is not None and entry[0] == _where(spec):
+                held[name] = node_from_state(name, entry[1])
+        return held
+
+    def _read(self) -> Mapping[str, Entry]:
+        with open(self.path, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                raise ValueError("it is not a file of this user's")
+            if info.st_mode & 0o077:
+                raise ValueError(f"others may read or write it (mode {stat.S_IMODE(info.st_mode):o})")
+            if info.st_size > MAX_BYTES + 4096:
+                raise ValueError(f"it is larger than {MAX_BYTES >> 20} MiB")
+            data = f.read()
+        magic, tag, digest = (data[:len(MAGIC)], data[len(MAGIC):len(MAGIC) + len(TAG)],
+                              data[len(MAGIC) + len(TAG):len(MAGIC) + len(TAG) + 65])
+        if magic != MAGIC:
+            raise ValueError("it is not a cache of fleet's")
+        if tag != TAG:
+            raise ValueError("another Python wrote it")
+        payload = data[len(MAGIC) + len(TAG) + 65:]
+        if hashlib.sha256(payload).hexdigest().encode() + b"\n" != digest:
+            raise ValueError("its checksum does not match: it is damaged")
+        entries = marshal.loads(payload)
+        if not isinstance(entries, dict) or not all(_entry(k, v) for k, v in entries.items()):
+            raise ValueError("its entries are not states")
+        return entries
+
+    def save(self, desired: Desired, observed: Observed) -> None:
+        """Keep the states observed now (the nodes that answered), in place of what was kept."""
+        entries = {name: (_where(desired.nodes[name]), node.state) for name, node in observed.nodes.items()
+                   if node.ok and node.state is not None and isinstance(node.state.get("generation"), str)
+                   and name in desired.nodes}
+        payload = marshal.dumps(entries)
+        if len(payload) > MAX_BYTES:
+            self.warn(f"the observed states are {len(payload) >> 20} MiB, more than the cache keeps "
+                      f"({MAX_BYTES >> 20} MiB): the next run asks for every state whole")
+            payload = marshal.dumps({})
+        data = MAGIC + TAG + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(temp, self.path)
+            except BaseException:
+                temp.unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            self.warn(f"cannot keep the observed states in {self.path} ({exc.strerror or exc}); "
+                      "the next run asks for every state whole")
+
+
+def _entry(name: object, value: object) -> bool:
+    return (isinstance(name, str) and isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
+            and isinstance(value[1], dict) and isinstance(value[1].get("generation"), str))

@@ -1,0 +1,184 @@
+"""The cache of observed states (reconciler/obscache.py) and the 304 that confirms one: an agent app
+in process (its real routes, an injected clock, simulated GPUs in a file) answered through the
+client's own reader; the cache file read and written on disk, whole, damaged and foreign."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from agent.app import assemble, create_app
+from agent.identity import Identity
+from agent.inventory import SimulatedGpus
+from agent.launch import ProcessLauncher
+from reconciler import obscache
+from reconciler.client import AgentClient
+from reconciler.model import ControlPlaneSpec, Desired, NodeSpec
+from reconciler.obscache import ObservationCache
+from reconciler.observe import observe
+from reconciler.observed import Observed, ObservedNode
+from reconciler.transport import Answer, MemoryTransport, asgi
+from wire import live
+
+SECRET = "s" * 16
+START = (40 << 30) + (128 << 20)  # mid-way through a 256 MiB step of the generation's
+NODE = NodeSpec(name="n", address="127.0.0.1", agent_port=7070)
+DESIRED = Desired(1, ControlPlaneSpec("n"), {"n": NODE}, {}, (), {})
+
+
+class Agent:
+    """An agent app in process whose clock and GPUs' free memory the test moves; every request's
+    head and every answer's status are kept."""
+
+    def __init__(self, tmp: Path) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.now = datetime(2026, 11, 30, 12, 0, tzinfo=timezone(timedelta(hours=2)))
+        self.gpus = tmp / "gpus.json"
+        self.free(START)
+        ident = Identity(id="a" * 32, name="n", enrolled_at="2026-01-01T00:00:00+00:00", agent_version="t")
+        ctx = assemble(tmp / "home", ident, SECRET.encode(), "t", SimulatedGpus(self.gpus), ProcessLauncher(),
+                       clock=lambda: self.now, verify_every_s=None)
+        self.app = asgi(create_app(ctx))
+        self.asked: list[tuple[bytes, int]] = []
+
+    def free(self, free: int) -> None:
+        self.gpus.write_text(json.dumps([{"name": "SIMULATED H100", "memory_total_bytes": 80 << 30,
+                                          "memory_free_bytes": free}]))
+
+    async def answer(self, request: bytes) -> bytes:
+        response = await self.app(request)
+        self.asked.append((request, int(response.split(b" ", 2)[1])))
+        return response
+
+
+def run(answer: Answer, held: dict[str, ObservedNode] | None = None) -> Observed:
+    async def go() -> Observed:
+        async with AgentClient(SECRET, transport=MemoryTransport(answer)) as client:
+            return await observe(DESIRED, client, held=held, bring_up=True)
+    return trio.run(go)
+
+
+def settled(state: dict[str, Any] | None) -> dict[str, Any]:
+    """The state less what the host moves under the test (its disk's and memory's free bytes)."""
+    assert state is not None
+    s: dict[str, Any] = json.loads(json.dumps(state))
+    s["inventory"]["disk"]["free_bytes"] = s["inventory"]["memory"]["available_bytes"] = None
+    return s
+
+
+def test_a_confirmed_state_brought_up_is_what_a_whole_answer_says(tmp_path: Path) -> None:
+    agent = Agent(tmp_path)
+    first = run(agent.answer).nodes["n"]
+    assert first.ok and first.generation
+    agent.now += timedelta(hours=1)
+    agent.free(START - (100 << 20))  # within the generation's 256 MiB step: not news, but moved
+    warm = run(agent.answer, {"n": first}).nodes["n"]
+    assert agent.asked[-1][1] == 304 and b'if-none-match: "' + first.generation.encode() in agent.asked[-1][0].lower()
+    whole = run(agent.answer).nodes["n"]
+    assert agent.asked[-1][1] == 200
+    assert warm.generation == whole.generation == first.generation
+    assert warm.observed_at == whole.observed_at == agent.now.isoformat()
+    assert warm.gpus == whole.gpus == (("SIMULATED H100", START - (100 << 20), 80 << 30),)
+    assert settled(warm.state) == settled(whole.state)
+    assert warm.weights is first.weights  # nothing parsed again
+
+
+def test_a_generation_the_agent_does_not_confirm_is_asked_for_whole(tmp_path: Path) -> None:
+    agent = Agent(tmp_path)
+    first = run(agent.answer).nodes["n"]
+    agent.free(20 << 30)  # 20 GiB less free: news
+    seen = run(agent.answer, {"n": first}).nodes["n"]
+    assert [status for _, status in agent.asked[1:]] == [200]
+    assert seen.generation != first.generation and seen.gpus[0][1] == 20 << 30
+
+
+def test_a_304_without_the_moving_values_is_asked_again_whole(tmp_path: Path) -> None:
+    agent = Agent(tmp_path)
+    first = run(agent.answer).nodes["n"]
+
+    async def old_agent(request: bytes) -> bytes:
+        if b"if-none-match" in request.lower():  # an agent from before fleet-live: a bare 304
+            agent.asked.append((request, 304))
+            return b'HTTP/1.1 304 Not Modified\r\netag: "' + (first.generation or "").encode() + b'"\r\n\r\n'
+        return await agent.answer(request)
+
+    agent.now += timedelta(minutes=5)
+    seen = run(old_agent, {"n": first}).nodes["n"]
+    assert [status for _, status in agent.asked[1:]] == [304, 200]
+    assert b"if-none-match" not in agent.asked[-1][0].lower()
+    assert seen.observed_at == agent.now.isoformat()
+
+
+@pytest.mark.parametrize("header", ["", "nonsense", json.dumps(["t", 1, 2, [3, 4], []]),  # two GPUs for one
+                                    json.dumps(["t", True, 2, [3], []]), json.dumps(["t", 1, -2, [3], []]),
+                                    json.dumps(["t", 1, 2, [3], ["x"]]), "[" * 20000])
+def test_moving_values_that_do_not_fit_the_state_are_not_used(header: str) -> None:
+    state = {"inventory": {"gpus": [{"memory_free_bytes": 1}]}, "servers": []}
+    values = live.decode(header.encode())
+    assert values is None or not live.fits(state, values)
+
+
+def observed_once(tmp_path: Path) -> Observed:
+    return run(Agent(tmp_path / "agent").answer)
+
+
+def test_the_cache_keeps_the_states_for_the_next_run_only_for_its_user(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    cache = ObservationCache(tmp_path / "cache" / "observed" / "f.bin", warnings.append)
+    seen = observed_once(tmp_path)
+    cache.save(DESIRED, seen)
+    assert os.stat(cache.path).st_mode & 0o777 == 0o600 and os.stat(cache.path.parent).st_mode & 0o777 == 0o700
+    held = cache.load(DESIRED)
+    assert held["n"] == seen.nodes["n"] and held["n"].generation == seen.nodes["n"].generation
+    assert held["n"].state == seen.nodes["n"].state and not warnings
+    moved = Desired(1, ControlPlaneSpec("n"), {"n": NodeSpec(name="n", address="127.0.0.9", agent_port=7070)},
+                    {}, (), {})
+    assert cache.load(moved) == {}  # held for another address: not this node's
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda b: b[:-10], "checksum"),
+    (lambda b: b[:-3] + bytes([b[-3] ^ 1]) + b[-2:], "checksum"),
+    (lambda b: b"something else\n" + b, "not a cache of fleet's"),
+    (lambda b: b.replace(obscache.TAG, b"cpython-99 marshal 9\n"), "another Python"),
+    (lambda b: b"", "not a cache of fleet's"),
+])
+def test_a_damaged_or_foreign_cache_is_ignored_with_a_warning(tmp_path: Path, damage: Any, why: str) -> None:
+    warnings: list[str] = []
+    cache = ObservationCache(tmp_path / "c" / "f.bin", warnings.append)
+    cache.save(DESIRED, observed_once(tmp_path))
+    cache.path.write_bytes(damage(cache.path.read_bytes()))
+    assert cache.load(DESIRED) == {}
+    assert len(warnings) == 1 and why in warnings[0] and str(cache.path) in warnings[0]
+
+
+def test_a_cache_others_may_read_is_ignored_with_a_warning(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    cache = ObservationCache(tmp_path / "c" / "f.bin", warnings.append)
+    cache.save(DESIRED, observed_once(tmp_path))
+    cache.path.chmod(0o644)
+    assert cache.load(DESIRED) == {} and "others may read or write it" in warnings[0]
+
+
+def test_no_cache_is_no_warning_and_off_is_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    warnings: list[str] = []
+    monkeypatch.setenv(obscache.DIR_ENV, str(tmp_path))
+    cache = ObservationCache.for_file("fleet.yaml", warnings.append)
+    assert cache is not None and cache.path.is_relative_to(tmp_path)
+    assert cache.load(DESIRED) == {} and not warnings
+    monkeypatch.setenv(obscache.OFF_ENV, "off")
+    assert ObservationCache.for_file("fleet.yaml", warnings.append) is None
+
+
+def test_an_unwritable_cache_is_a_warning_not_a_failure(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    (tmp_path / "file").write_text("")
+    cache = ObservationCache(tmp_path / "file" / "f.bin", warnings.append)  # its directory is a file
+    cache.save(DESIRED, observed_once(tmp_path))
+    assert len(warnings) == 1 and "cannot keep the observed states" in warnings[0]
