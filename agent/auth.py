@@ -30,22 +30,37 @@ def cluster_secret(raw: str | None) -> bytes:
     return secret
 
 
-class BearerAuth:
-    """Every path but /healthz needs `Authorization: Bearer <cluster secret>`, compared in constant
-    time. The answer says whether the secret was missing or wrong, and never echoes it."""
+class _Door:
+    """An ASGI app behind `Authorization: Bearer <token>`, compared in constant time: a request that
+    carries it (or asks for one of `public`) goes through, any other is refused by `refuse`."""
 
-    def __init__(self, app: ASGIApp, secret: bytes) -> None:
+    public: frozenset[str] = frozenset()
+
+    def __init__(self, app: ASGIApp, token: bytes) -> None:
         self.app = app
-        self.expected = b"Bearer " + secret
+        self.expected = b"Bearer " + token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan" or (scope["type"] == "http" and scope["path"] in PUBLIC_PATHS):
+        if scope["type"] == "lifespan" or (scope["type"] == "http" and scope["path"] in self.public):
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         if given is not None and hmac.compare_digest(given, self.expected):
             await self.app(scope, receive, send)
             return
+        await self.refuse(scope, send, given)
+
+    async def refuse(self, scope: Scope, send: Send, given: bytes | None) -> None:
+        raise NotImplementedError
+
+
+class BearerAuth(_Door):
+    """Every path but /healthz needs `Authorization: Bearer <cluster secret>`, compared in constant
+    time. The answer says whether the secret was missing or wrong, and never echoes it."""
+
+    public = PUBLIC_PATHS
+
+    async def refuse(self, scope: Scope, send: Send, given: bytes | None) -> None:
         code, message = (("secret_missing", "this agent requires the cluster secret as 'Authorization: Bearer <secret>'")
                          if given is None else
                          ("secret_wrong", "the cluster secret sent does not match this agent's FLEET_CLUSTER_SECRET"))
@@ -62,24 +77,16 @@ def new_worker_credential() -> str:
     return secrets.token_urlsafe(32)
 
 
-class WorkerAuth:
+class WorkerAuth(_Door):
     """A worker's door: every request (health included: the agent's probe carries it too) needs
     `Authorization: Bearer <credential>`; anything else is a 401 in OpenAI's error shape. The
     router is given the credential through the agent's authenticated state; a client that reaches
     the worker's port directly has none, and so does not skip the router's API keys."""
 
     def __init__(self, app: ASGIApp, credential: str) -> None:
-        self.app = app
-        self.expected = b"Bearer " + credential.encode()
+        super().__init__(app, credential.encode())
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self.app(scope, receive, send)
-            return
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if given is not None and hmac.compare_digest(given, self.expected):
-            await self.app(scope, receive, send)
-            return
+    async def refuse(self, scope: Scope, send: Send, given: bytes | None) -> None:
         message = ("this worker answers only fleet's router: send requests to `fleet serve`, which checks "
                    "your API key and forwards them")
         await _refuse(scope, send, {"message": message, "type": "invalid_request_error", "param": None,

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
+from host.process import alive
 from wire import manifest as mf
 from wire.state import Encryption, Integrity, WeightsEntry
 
@@ -81,16 +82,6 @@ def _hex(sha: str) -> str:
     return sha
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Store:
     def __init__(self, home: Path, key: Key | None = None) -> None:
         self.key = key  # the node's weights key, for encrypted models (None: this agent holds none)
@@ -111,7 +102,7 @@ class Store:
         for d in (self.partial, self.models, self.meta):
             for p in d.iterdir():
                 m = _LEFTOVER.match(p.name)
-                if m is None or _alive(int(next(g for g in m.groups() if g))):
+                if m is None or alive(int(next(g for g in m.groups() if g))):
                     continue
                 if p.is_dir():
                     shutil.rmtree(p, ignore_errors=True)

@@ -11,6 +11,8 @@ import sqlite3
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
+from host.process import alive
+
 # Version 1 is the store as fleet first wrote it (no version table); 2: at most one open alert per
 # node and kind, enforced by the store, so that two `fleet serve` processes can never raise it twice;
 # 3: each following `fleet serve`'s requests in flight on a drained member, which the leader adds up.
@@ -111,16 +113,6 @@ class Sql(Protocol):
     def confirm_apply_lock(self) -> None: ...  # raises StateError once it is no longer held
     def holder_gone(self, lock_id: str, host: str, pid: int) -> bool: ...  # a lock row whose apply cannot run
     def other_serves(self) -> list[str]: ...  # the names of the other `fleet serve` sessions (SQLite: none)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SqliteSql:

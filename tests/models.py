@@ -21,6 +21,15 @@ def tiny_safetensors(base: Path) -> Path:
     return out
 
 
+def flip(path: Path, offset: int) -> None:
+    """One byte changed in place: the file keeps its inode, as bit rot or a stray write would."""
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x01]))
+
+
 def tiny_gguf(base: Path) -> Path:
     out = base / "tiny-llama.gguf"
     if not out.exists():

@@ -19,7 +19,7 @@ from tests.agents import SECRET, Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import import_model
 from tests.integration.test_weights import hashed_in, import_linked, sparse_gguf
-from tests.models import tiny_gguf, tiny_safetensors
+from tests.models import flip, tiny_gguf, tiny_safetensors
 from wire import manifest as mf
 from wire.layers import LayerRange
 
@@ -36,15 +36,6 @@ def verify(agent: Agent, digest: str) -> httpx.Response:
 def held(agent: Agent, digest: str) -> dict[str, Any]:
     entries = {w["digest"]: w for w in agent.get("/v1/state").json()["weights"]}
     return entries[digest]  # type: ignore[no-any-return]
-
-
-def flip(path: Path, offset: int) -> None:
-    """One byte changed in place: the file keeps its inode, as bit rot or a stray write would."""
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        byte = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([byte[0] ^ 0x01]))
 
 
 def manifest(agent: Agent, digest: str) -> dict[str, Any]:

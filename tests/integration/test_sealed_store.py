@@ -20,7 +20,7 @@ from agent.launch import ProcessLauncher
 from agent.verify import check
 from agent.workers import Refused, Workers
 from tests.agents import free_port
-from tests.models import tiny_safetensors
+from tests.models import flip, tiny_safetensors
 
 KEY = make_key(bytes(range(32)))
 
@@ -62,14 +62,6 @@ def test_an_encrypted_import_keeps_no_plaintext(tmp_path: Path, model: Path) -> 
     assert Store(tmp_path).entry(digest).get("encryption", {}).get("key_held") is False
     with pytest.raises(StoreError, match="weights key"):
         Store(tmp_path / "nokey").import_model(model, "tiny", encrypt=True)
-
-
-def flip(path: Path, at: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(at)
-        byte = fh.read(1)
-        fh.seek(at)
-        fh.write(bytes([byte[0] ^ 0x01]))
 
 
 def test_verification_with_and_without_the_key(tmp_path: Path, model: Path) -> None:
