@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from .torch_prefix import Hit
+    from .torch_prefix import Hit, Prefix
 
 HEADROOM = 64  # spare columns per (re)allocation, so that decoding rarely reallocates
 
@@ -43,23 +43,29 @@ class Rows:
 
     @staticmethod
     def empty(first: int, layers: int, rows: int, kv_heads: int, head_dim: int, capacity: int,
-              dtype: torch.dtype, device: torch.device) -> Rows:
-        def zeros() -> torch.Tensor:
-            return torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        return Rows([zeros() for _ in range(layers)], [zeros() for _ in range(layers)],
+              dtype: torch.dtype, device: torch.device, zero: bool = True) -> Rows:
+        """Rows of this shape; `zero=False` leaves the keys and values uninitialised, for a caller
+        that writes every column below `length` (no column at or past `length` is ever read, and a
+        padding column below it must hold finite values: the mask hides it by adding -inf)."""
+        new = torch.zeros if zero else torch.empty
+
+        def kv() -> torch.Tensor:
+            return new(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        return Rows([kv() for _ in range(layers)], [kv() for _ in range(layers)],
                     torch.zeros(rows, capacity, dtype=torch.bool, device=device),
                     torch.zeros(rows, dtype=torch.long, device=device), 0, first)
 
-    def _like(self, rows: int, capacity: int) -> Rows:
+    def _like(self, rows: int, capacity: int, zero: bool = True) -> Rows:
         k = self.keys[0]
-        return Rows.empty(self.first, len(self.keys), rows, k.shape[1], k.shape[3], capacity, k.dtype, k.device)
+        return Rows.empty(self.first, len(self.keys), rows, k.shape[1], k.shape[3], capacity, k.dtype, k.device,
+                          zero)
 
     def reserve(self, columns: int) -> None:
         """Room for `columns` more tokens without reallocating during a forward."""
         need = self.length + columns
         if need <= self.capacity:
             return
-        grown = self._like(self.size, need + max(HEADROOM, self.length // 2))
+        grown = self._like(self.size, need + max(HEADROOM, self.length // 2), zero=False)  # [:length] copied
         for old, new in zip(self.keys + self.values, grown.keys + grown.values):
             new[:, :, :self.length] = old[:, :, :self.length]
         grown.mask[:, :self.length] = self.mask[:, :self.length]
@@ -84,7 +90,7 @@ class Rows:
         used = mask.any(dim=0).nonzero()
         start = int(used[0]) if used.numel() else self.length
         width = self.length - start
-        out = self._like(len(rows), width + HEADROOM)
+        out = self._like(len(rows), width + HEADROOM, zero=False)  # [:width] copied, padding included
         for old, new in zip(self.keys + self.values, out.keys + out.values):
             new[:, :, :width] = old[index, :, start:self.length]
         out.mask[:, :width] = mask[:, start:]
@@ -134,15 +140,17 @@ class Stack:
         self.layers = list(inner.layers)[self.first:self.last]
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.heads = int(config.num_attention_heads)
+        self._per_token: int | None = None  # the layers' multiply-adds x 2 per token, counted on first use
         params = inspect.signature(type(self.layers[0]).forward).parameters if self.layers else {}
         # transformers 5 renamed the layers' cache argument; the old name still works but warns.
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
 
-    def rows(self, n: int, capacity: int) -> Rows:
+    def rows(self, n: int, capacity: int, zero: bool = True) -> Rows:
         return Rows.empty(self.first, len(self.layers), n, self.kv_heads, self.head_dim, capacity, self.dtype,
-                          self.device)
+                          self.device, zero)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.inner.embed_tokens(ids)
@@ -186,7 +194,12 @@ class Stack:
         before = [h.length if h is not None else 0 for h in hits]
         start = max(before)
         total = start + width
-        rows = self.rows(n, total + HEADROOM)
+        # Columns [start, total) are all written by the forward (padding queries too); only the
+        # padding before a shorter known opening needs zeros.
+        rows = self.rows(n, total + HEADROOM, zero=False)
+        if start:
+            for kv in rows.keys + rows.values:
+                kv[:, :, :start].zero_()
         positions = torch.zeros(n, width, dtype=torch.long, device=device)
         for r, (hit, k, length) in enumerate(zip(hits, before, lengths)):
             if hit is not None:
@@ -213,14 +226,84 @@ class Stack:
 
     def prefill_many(self, prompts: list[list[int]],
                      known: Sequence[Hit | None] | None = None) -> tuple[Rows, torch.Tensor]:
-        """Several new rows in one forward, left-padded to the longest prompt: one pass over the
-        weights instead of one per prompt (prefill is compute-bound on a CPU, so this is what
-        keeps the first token of a burst of requests close to that of one); each prompt's tokens
-        that `known` covers are not computed again. Also the logits of each row's next token."""
-        hits = list(known) if known is not None else [None] * len(prompts)
+        """Several new rows in one forward: one pass over the weights instead of one per prompt
+        (prefill is compute-bound on a CPU, so this is what keeps the first token of a burst of
+        requests close to that of one); each prompt's tokens that `known` covers are not computed
+        again. Packed end to end or left-padded to the longest, whichever computes less. Also the
+        logits of each row's next token."""
+        hits: list[Hit | None] = list(known) if known is not None else [None] * len(prompts)
         tails = [p[h.length:] if h is not None else p for p, h in zip(prompts, hits)]
+        if len(prompts) > 1 and self._packing_pays(tails, hits):
+            return self.pack(tails, hits)
         rows, hidden = self.fill(self.embed_padded(tails), [len(t) for t in tails], hits)
         return rows, self.head(hidden)
+
+    def _packing_pays(self, tails: list[list[int]], hits: list[Hit | None]) -> bool:
+        """Whether packing computes less than padding: the layers' weights cost 2 x their
+        parameters per token either way, attention 4 x heads x head_dim per (query, key) pair, and
+        packed, every query meets every key of the burst (masked, still computed)."""
+        if self._per_token is None:
+            self._per_token = 2 * sum(p.numel() for layer in self.layers for p in layer.parameters())
+        per_pair = 4 * self.heads * self.head_dim * len(self.layers)
+        before = [h.length if h is not None else 0 for h in hits]
+        width, start = max(map(len, tails)), max(before)
+        padded = len(tails) * width * (self._per_token + per_pair * (start + width))
+        queries = sum(map(len, tails))
+        keys = queries + sum(length for _, length in _distinct(hits))
+        return queries * (self._per_token + per_pair * keys) < padded
+
+    def pack(self, tails: list[list[int]], hits: list[Hit | None]) -> tuple[Rows, torch.Tensor]:
+        """New rows, one per prompt, through one forward over the tails laid end to end in a
+        single row (no padding computed): the distinct known openings first, then the tails; the
+        mask lets each tail see its own opening and its own earlier tokens only, and the positions
+        are each prompt's own. The keys and values are then laid out as decoding wants them:
+        rows right-aligned, known opening then tail. Also each row's next-token logits."""
+        device, n = self.device, len(tails)
+        spans = _distinct(hits)  # each opening once, however many tails follow it
+        where: dict[tuple[int, int], int] = {}  # (id(prefix), length) -> its first column in the line
+        known = 0
+        for prefix, length in spans:
+            where[(id(prefix), length)] = known
+            known += length
+        lengths = [len(t) for t in tails]
+        queries = sum(lengths)
+        total = known + queries
+        line = self.rows(1, total + 1, zero=False)  # the column past the end: zeros, for the padding below
+        for kv in line.keys + line.values:
+            kv[:, :, total].zero_()
+        for prefix, length in spans:
+            at = where[(id(prefix), length)]
+            for new, old in zip(line.keys + line.values, prefix.keys + prefix.values):
+                new[0, :, at:at + length] = old[0, :, :length]
+        mask = torch.zeros(queries, total, dtype=torch.bool, device=device)
+        positions = torch.empty(queries, dtype=torch.long, device=device)
+        width = max((h.length if h is not None else 0) + m for h, m in zip(hits, lengths))
+        gather = torch.full((n, width), total, dtype=torch.long, device=device)  # [row, column] <- line column
+        q = 0
+        for r, (hit, m) in enumerate(zip(hits, lengths)):
+            k = hit.length if hit is not None else 0
+            if hit is not None:
+                at = where[(id(hit.prefix), hit.length)]
+                mask[q:q + m, at:at + k] = True
+                gather[r, width - m - k:width - m] = torch.arange(at, at + k, device=device)
+            mask[q:q + m, known + q:known + q + m] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+            positions[q:q + m] = torch.arange(k, k + m, device=device)
+            gather[r, width - m:] = torch.arange(known + q, known + q + m, device=device)
+            q += m
+        ids = torch.tensor([t for tail in tails for t in tail], dtype=torch.long, device=device)
+        line.length = known
+        hidden = self.run(self.embed(ids[None]), line, positions[None], mask[None, None])
+        lasts = torch.tensor(lengths, device=device).cumsum(0) - 1
+        logits = self.head(hidden[0, lasts].unsqueeze(1))
+        rows = self.rows(n, width + HEADROOM, zero=False)  # every column below `width` is gathered
+        flat = gather.reshape(-1)
+        for new, old in zip(rows.keys + rows.values, line.keys + line.values):
+            new[:, :, :width] = old[0].index_select(1, flat).view(old.shape[1], n, width, -1).transpose(0, 1)
+        rows.mask[:, :width] = gather != total
+        rows.positions = torch.tensor([(h.length if h is not None else 0) + m for h, m in zip(hits, lengths)],
+                                      dtype=torch.long, device=device)
+        rows.length = width
+        return rows, logits
 
     def decode(self, rows: Rows, tokens: list[int]) -> torch.Tensor:
         """One step: each row's next token in; the logits of the token after it out."""
@@ -232,3 +315,12 @@ class Stack:
         rows.length += 1
         rows.positions += 1
         return self.head(hidden)
+
+
+def _distinct(hits: Sequence[Hit | None]) -> list[tuple[Prefix, int]]:
+    """The known openings of `hits`, each (prefix, length) once, in order of first use."""
+    seen: dict[tuple[int, int], tuple[Prefix, int]] = {}
+    for h in hits:
+        if h is not None:
+            seen.setdefault((id(h.prefix), h.length), (h.prefix, h.length))
+    return list(seen.values())

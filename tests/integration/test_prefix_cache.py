@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from agent.backends.torch_layers import Stack
-from agent.backends.torch_prefix import PrefixCache, common
+from agent.backends.torch_prefix import Hit, PrefixCache, common
 from tests.integration.test_torch_worker import Worker, completion, together
 from tests.models import tiny_safetensors
 
@@ -63,6 +63,39 @@ def test_cached_openings_give_the_same_logits_and_answers(stack: tuple[Stack, An
     assert torch.allclose(logits, ref_logits, atol=1e-4)
     alone = [greedy(model, [p], cache, 4)[1][0] for p in prompts]  # one row after its known opening
     assert alone == ref
+
+
+def test_packed_and_padded_prefills_agree(stack: tuple[Stack, Any]) -> None:
+    """Tails laid end to end in one row (Stack.pack) give the logits and greedy answers of tails
+    left-padded to the longest (Stack.fill), with and without known openings of several lengths."""
+    model, tok = stack
+    prompts = [list(tok(OPENING + e)["input_ids"]) for e in ENDINGS] + [list(tok("x")["input_ids"])]
+    cache = PrefixCache(4096)
+    with torch.inference_mode():
+        for p in (prompts[0], prompts[3][:12]):
+            rows, _ = model.prefill_many([p])
+            cache.keep(p, rows, 0)
+    none: list[Hit | None] = [None] * len(prompts)
+    for hits in (none, [cache.find(p, len(p) - 1) for p in prompts]):
+        tails = [p[h.length:] if h is not None else p for p, h in zip(prompts, hits)]
+        assert len({len(t) for t in tails}) > 2, "the tails should differ in length"
+        answers = []
+        for packed in (False, True):
+            with torch.inference_mode():
+                if packed:
+                    rows, logits = model.pack(tails, hits)
+                else:
+                    rows, hidden = model.fill(model.embed_padded(tails), [len(t) for t in tails], hits)
+                    logits = model.head(hidden)
+                out, firsts = [[t] for t in logits.argmax(-1).tolist()], logits
+                for _ in range(6):
+                    logits = model.decode(rows, [o[-1] for o in out])
+                    for o, t in zip(out, logits.argmax(-1).tolist()):
+                        o.append(t)
+            answers.append((firsts, out, logits))
+        (pad_first, pad_out, pad_last), (pack_first, pack_out, pack_last) = answers
+        assert pack_out == pad_out
+        assert torch.allclose(pack_first, pad_first, atol=1e-4) and torch.allclose(pack_last, pad_last, atol=1e-4)
 
 
 def test_the_cache_keeps_within_its_cap(stack: tuple[Stack, Any]) -> None:
