@@ -29,10 +29,15 @@ other work, the wall-time ratios move with the neighbours' load, these far less.
 engine the n-at-once figure also gives the worst TTFT in ms and its prefill-bound floor: the
 single request's TTFT less its prefill, plus all of the burst's prefill CPU seconds (the engine's own
 counters, /health): on one thread the last first token cannot come before every prompt's tokens
-that the prefix cache does not hold were computed. Every prompt is its own (a serial number after
+that the prefix cache does not hold were computed. Next to it, the arithmetic rate the 2x target
+would take (the burst's prefill FLOPs, 2 x the layers' multiply-adds per computed token plus the
+head per prompt, within the single request's TTFT plus its own prefill), the rate the burst's
+prefill ran at and the single request's (FLOPs per second of the engine thread's CPU), and this
+machine's best float32 matmul at the same thread count ([512, 576] x [576, 1536], in the bench's
+process): a target above that ceiling cannot be met by scheduling. Every prompt is its own (a serial number after
 the topic), so that a cache holds only what users' prompts share: the chat template's opening.
 
-    .venv/bin/python bench/engines.py [--engines torch,llama_cpp_ni] [--threads 1] [--tokens 32]
+    .venv/bin/python bench/engines.py [--engines torch,llama_cpp_ni] [--threads 1 (0: default)] [--tokens 32]
         [--requests 3] [--streams 8] [--procs 2] [--rounds 2]
 """
 
@@ -41,6 +46,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -61,6 +67,7 @@ from tests.models import smollm2_gguf, smollm2_safetensors  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 SERIAL = itertools.count(1)
+DEFAULT_THREADS = len(os.sched_getaffinity(0))  # what torch takes without --threads: every core it may run on
 TOPICS = ["a dragon who learns to cook", "a lighthouse keeper and a storm", "a robot that paints the sea",
           "two friends crossing a desert", "a city that never sleeps", "a cat who runs a bakery",
           "the last train of the night", "a garden on the moon"]
@@ -194,7 +201,41 @@ def streams(urls: list[str], n: int, requests: int, tokens: int, stagger: float 
     return time.perf_counter() - t0, out
 
 
-def measure(name: str, engine: Engine, args: argparse.Namespace) -> None:
+Shape = tuple[float, float]  # a model's FLOPs per prompt token through its layers, and per prompt for its head
+
+
+def model_shape(model_dir: Path) -> Shape:
+    """From config.json: 2 x the layers' multiply-adds per token (attention's own, a few percent at
+    these lengths, left out), and 2 x the head's per prompt (only the last token's logits)."""
+    c = json.loads((model_dir / "config.json").read_text())
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or hidden // heads
+    kv = c.get("num_key_value_heads") or heads
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * c["intermediate_size"]
+    return 2.0 * per_layer * c["num_hidden_layers"], 2.0 * hidden * c["vocab_size"]
+
+
+def prefill_flops(shape: Shape | None, tokens: float, prompts: int) -> float:
+    return float("nan") if shape is None else shape[0] * tokens + shape[1] * prompts
+
+
+def matmul_peak(threads: int) -> float:
+    """FLOP/s of float32 matmul at its best here ([512, 576] x [576, 1536], the shape of a big
+    prefill's MLP), best of a few tries: the ceiling a prefill could reach."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, w = torch.randn(512, 576), torch.randn(1536, 576)
+    best = float("inf")
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            torch.nn.functional.linear(a, w)
+        best = min(best, (time.perf_counter() - t0) / 10)
+    return 2 * 512 * 576 * 1536 / best
+
+
+def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | None = None) -> None:
     """Rounds of (1 stream, n at once, n staggered streams), one after the other, so that a change
     in the machine's load hits all three alike; ratios are taken within a round, then the median.
     The staggered run is measured over the window in which all n streams are running (ramp-up
@@ -204,6 +245,7 @@ def measure(name: str, engine: Engine, args: argparse.Namespace) -> None:
         ask(client, engine.urls[0], "warming up", 4)
     n, rows = args.streams, []
     counters: dict[str, float] = {}
+    peak = matmul_peak(args.threads or DEFAULT_THREADS) if shape is not None else float("nan")
 
     def phase(count: int, requests: int, stagger: float = 0.0) -> tuple[float, float, list[list[Result]]]:
         nonlocal counters
@@ -236,6 +278,7 @@ def measure(name: str, engine: Engine, args: argparse.Namespace) -> None:
         tps1, cps1, one = phase(1, args.requests)
         ttft1 = statistics.median(r.ttft for r in one[0])
         prefill1 = counters.get("prefill_cpu_s", 0.0) / args.requests
+        flops1 = prefill_flops(shape, counters.get("prefill_tokens", 0.0), args.requests) / args.requests
         tpsb, cpsb, burst = phase(n, 1)
         # On one thread the slowest first token of a burst comes after all of the burst's prefill
         # work: at best the single request's TTFT with the burst's prefill CPU time in place of its
@@ -244,20 +287,31 @@ def measure(name: str, engine: Engine, args: argparse.Namespace) -> None:
         floor = (ttft1 - prefill1 + counters.get("prefill_cpu_s", 0.0)) / ttft1 if counters else float("nan")
         work = (worst, floor, counters.get("prefills", float("nan")), counters.get("prefill_tokens", float("nan")),
                 counters.get("prefix_hit_tokens", float("nan")), prefill1, counters.get("prefill_cpu_s", float("nan")))
+        # The arithmetic rate that 2x would take: the burst's prefill done within the single
+        # request's TTFT plus its own prefill (the rest of a TTFT, HTTP and sampling, as for one).
+        flopsn = prefill_flops(shape, counters.get("prefill_tokens", 0.0), n)
+        rates = (flopsn / (ttft1 + prefill1), flopsn / max(counters.get("prefill_cpu_s", 0.0), 1e-9),
+                 flops1 / max(prefill1, 1e-9))
         # Spread arrivals: stream i joins i/n of a request's time after stream 0, as users do.
         tpss, cpss, steady = phase(n, args.requests, stagger=args.tokens / tps1 / n)
         cut = sum(1 for runs in (burst, steady) for s in runs for r in s
                   if r.tokens < args.tokens and r.finish != "stop")
-        rows.append((tps1, ttft1, tpsb / tps1, worst / ttft1, *work, tpss / tps1,
+        rows.append((tps1, ttft1, tpsb / tps1, worst / ttft1, *work, *rates, tpss / tps1,
                      max(statistics.median(r.ttft for r in s[1:] or s) for s in steady) / ttft1,
                      max(r.ttft for s in steady for r in s[1:] or s) / ttft1, cps1, cpsb / cps1, cpss / cps1, cut))
     for label, row in [*((f"  round {i + 1}", r) for i, r in enumerate(rows)),
                        (name, tuple(statistics.median(c) for c in zip(*rows)))]:
-        tps1, ttft1, rb, tb, worst, floor, forwards, computed, known, cpu1, cpun, rs, ts, tw, cps1, cb, cs, cut = row
+        (tps1, ttft1, rb, tb, worst, floor, forwards, computed, known, cpu1, cpun, need, rate, rate1, rs, ts, tw, cps1,
+         cb, cs, cut) = row
         detail = "" if floor != floor else (
             f" ({worst * 1000:4.0f} ms; floor {floor:3.1f}x: prefill CPU {cpun * 1000:3.0f} ms against "
             f"{cpu1 * 1000:3.0f} ms for one, {forwards:g} forwards, {computed:g} prompt tokens computed, "
-            f"{known:g} from the cache)")
+            f"{known:g} from the cache")
+        if shape is not None and floor == floor:
+            detail += (f"; 2x needs the burst's prefill at {need / 1e9:3.0f} GFLOP/s, it ran at {rate / 1e9:3.0f} "
+                       f"(one request's {rate1 / 1e9:3.0f}), this machine's best matmul at {args.threads or DEFAULT_THREADS} thread(s) "
+                       f"{peak / 1e9:3.0f}")
+        detail += ")" if detail else ""
         print(f"{label:<16} 1 stream {tps1:5.1f} tok/s, TTFT {ttft1 * 1000:4.0f} ms | {n} at once {rb:4.2f}x, "
               f"worst TTFT {tb:4.1f}x{detail} | {n} streams {rs:4.2f}x, TTFT worst stream median {ts:4.1f}x, worst "
               f"request {tw:4.1f}x | per CPU-s: 1 stream {cps1:5.1f} tok, {n} at once {cb:4.2f}x, {n} streams "
@@ -287,7 +341,7 @@ def llama_batched(args: argparse.Namespace) -> None:
     def run(n: int) -> tuple[float, float]:
         params = L.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 4096, 1024, 1024, n
-        params.n_threads = params.n_threads_batch = args.threads
+        params.n_threads = params.n_threads_batch = args.threads or DEFAULT_THREADS
         ctx = L.llama_init_from_model(model, params)
         batch = L.llama_batch_init(1024, 0, n)
         prompts = [list(tok.apply_chat_template([{"role": "user", "content": f"Write a long story about {t}."}],
@@ -329,7 +383,8 @@ def llama_batched(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="torch,llama_cpp,llama_cpp_ni,llama_cpp_xN,llama_cpp_batch")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads per engine process; 0: none given, as a fleet without `threads` launches them")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=4, help="requests per stream, back to back")
     ap.add_argument("--rounds", type=int, default=2)
@@ -342,9 +397,11 @@ def main() -> None:
     gguf = smollm2_gguf()
     llama = launch(llama_spec.SPEC, gguf, args.threads)
     quiet = launch(llama_spec.SPEC, gguf, args.threads, "--interrupt_requests", "False")
+    threads = f"{args.threads}" if args.threads else f"the engines' default (torch: {DEFAULT_THREADS})"
     print(f"SmolLM2-135M-Instruct, {args.tokens} tokens per request, {args.requests} requests per stream, "
-          f"{args.threads} thread(s) per engine process", flush=True)
+          f"{threads} thread(s) per engine process", flush=True)
     for name in args.engines.split(","):
+        shape: Shape | None = None
         if name == "llama_cpp_batch":
             llama_batched(args)
             continue
@@ -352,6 +409,7 @@ def main() -> None:
             model = smollm2_safetensors(ROOT / ".pytest_cache" / "d" / "fleet-models", "float32")  # the tests' copy
             extra = ("--prefix-cache", "0") if name == "torch_nocache" else ()
             engine = Engine([launch(torch_spec.SPEC, model, args.threads, *extra)], torch_spec.SPEC.health)
+            shape = model_shape(model)
         elif name == "llama_cpp":
             engine = Engine([llama], llama_spec.SPEC.health)
         elif name == "llama_cpp_ni":
@@ -362,7 +420,7 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown engine {name}")
         try:
-            measure(name, engine, args)
+            measure(name, engine, args, shape)
         finally:
             engine.stop()
 
