@@ -10,7 +10,7 @@ import math
 import ssl
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import fastjsonschema
 import trio
@@ -24,6 +24,7 @@ from .agent_errors import (AgentError, AgentHTTPError, AgentProtocolError, NodeA
 from .diagnostics import format_path
 from .model import NodeSpec
 from .schema import Validator, load_schema
+from .burst import TimedOut, batchable, exchange_all
 from .transport import AgentRequest, SocketTransport, Transport
 
 __all__ = ["AgentClient", "Unchanged", "AgentError", "AgentHTTPError", "AgentProtocolError", "NodeAuthRejected",
@@ -114,26 +115,31 @@ class AgentClient:
                     timeout: float | None = None) -> dict[str, Any] | Unchanged:
         """The node's state, checked against the schema; Unchanged when it is still generation `unless`."""
         status, content = await self._exchange(node, "GET", "/v1/state", None, unless, timeout)
-        if status == 304:
-            if unless is None:
-                raise AgentProtocolError(node, "304 Not Modified to a request that named no generation")
-            return Unchanged(live.decode(content) if content else None)
-        data = _answer(node, status, content)
-        try:
-            _state_check()(data)
-            return data  # type: ignore[no-any-return]
-        except fastjsonschema.JsonSchemaException:
-            pass
-        errors = sorted(_state_validator().iter_errors(data), key=lambda e: len(e.absolute_path))
-        if errors:
-            err = errors[0]
-            field = format_path(tuple(err.absolute_path))
-            if err.validator == "required":
-                missing = [k for k in err.validator_value if k not in err.instance]
-                field = format_path(tuple(err.absolute_path) + (missing[0],)) if missing else field
-                raise AgentProtocolError(node, "a required field is missing", field)
-            raise AgentProtocolError(node, err.message, field)
-        raise AgentProtocolError(node, "the answer does not match schemas/agent-state.schema.json")
+        return _state(node, status, content, unless)
+
+    def batches(self, node: NodeSpec) -> bool:
+        """Whether states() asks this node in its batch: a one-shot socket transport (not the
+        heartbeat's, which keeps connections), plain HTTP to an address."""
+        return isinstance(self._transport, SocketTransport) and not self._transport.keeps and batchable(node)
+
+    async def states(self, asks: Sequence[tuple[NodeSpec, str | None]], *, concurrency: int,
+                     timeout: float) -> list[dict[str, Any] | Unchanged | AgentError | TimedOut]:
+        """state() for many nodes at once (each one that batches(), with its `unless`), on one
+        epoll (burst.py): each node's state, Unchanged, the error that stands in for it, or
+        TimedOut when it did not answer within `timeout` seconds."""
+        requests = [AgentRequest("GET", node, "/v1/state", None, self._secret, unless) for node, unless in asks]
+        out: list[dict[str, Any] | Unchanged | AgentError | TimedOut] = []
+        for (node, unless), result in zip(asks, await exchange_all(requests, concurrency=concurrency,
+                                                                   timeout=timeout)):
+            try:
+                if isinstance(result, BaseException):
+                    raise result
+                out.append(_state(node, *result, unless))
+            except OSError as exc:
+                out.append(NodeUnreachable(node, cause(exc)))
+            except (AgentError, TimedOut) as exc:
+                out.append(exc)
+        return out
 
     async def manifest(self, node: NodeSpec, digest: str) -> bytes:
         return await self.request(node, "GET", f"/v1/manifests/{digest}", raw=True)  # type: ignore[no-any-return]
@@ -156,6 +162,30 @@ class AgentClient:
 
     async def stop_server(self, node: NodeSpec, sid: str) -> None:
         await self.request(node, "DELETE", f"/v1/servers/{sid}", ok404=True)
+
+
+def _state(node: NodeSpec, status: int, content: bytes, unless: str | None) -> dict[str, Any] | Unchanged:
+    """An answer to GET /v1/state: the state, checked against the schema, or Unchanged (a 304)."""
+    if status == 304:
+        if unless is None:
+            raise AgentProtocolError(node, "304 Not Modified to a request that named no generation")
+        return Unchanged(live.decode(content) if content else None)
+    data = _answer(node, status, content)
+    try:
+        _state_check()(data)
+        return data  # type: ignore[no-any-return]
+    except fastjsonschema.JsonSchemaException:
+        pass
+    errors = sorted(_state_validator().iter_errors(data), key=lambda e: len(e.absolute_path))
+    if errors:
+        err = errors[0]
+        field = format_path(tuple(err.absolute_path))
+        if err.validator == "required":
+            missing = [k for k in err.validator_value if k not in err.instance]
+            field = format_path(tuple(err.absolute_path) + (missing[0],)) if missing else field
+            raise AgentProtocolError(node, "a required field is missing", field)
+        raise AgentProtocolError(node, err.message, field)
+    raise AgentProtocolError(node, "the answer does not match schemas/agent-state.schema.json")
 
 
 def _answer(node: NodeSpec, status: int, content: bytes, *, raw: bool = False, ok404: bool = False,

@@ -10,10 +10,11 @@ import hashlib
 import json
 import math
 from contextlib import contextmanager
-from typing import Any, Collection, Iterator, Mapping, Protocol
+from typing import Any, Collection, Iterator, Mapping, Protocol, Sequence
 
 import trio
 
+from .burst import TimedOut
 from .client import AgentClient, AgentError, Unchanged
 from .model import Desired
 from .observed import Observed, ObservedNode, brought_up, node_from_state
@@ -38,23 +39,49 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
     digest, added to."""
     nodes: dict[str, ObservedNode] = {}
     known = held or {}
-    names = iter(desired.nodes if only is None else [n for n in desired.nodes if n in only])
+    asked = [n for n in desired.nodes if only is None or n in only]
+    # Plain agents at an address, for a one-shot command: all on one epoll (client.states, burst.py).
+    batched = [n for n in asked if client.batches(desired.nodes[n])]
+    names = iter([n for n in asked if not client.batches(desired.nodes[n])])
+
+    def generation(name: str) -> str | None:
+        before = known.get(name)
+        return before.generation if before is not None and before.ok else None
+
+    def unreachable(name: str) -> ObservedNode:
+        spec = desired.nodes[name]
+        return ObservedNode(name, "node_unreachable", f"node {name!r} at {spec.address}:{spec.agent_port} did not "
+                            f"answer within {timeout:g}s")
+
+    def settle(name: str, answer: dict[str, Any] | Unchanged | AgentError | TimedOut) -> bool:
+        """The node for this answer; False when it must be asked for whole (a 304 whose moving
+        values do not fit what is held)."""
+        if isinstance(answer, Unchanged):  # only ever for a generation asked about: a node held
+            before = known[name]
+            now = brought_up(before, answer.live) if bring_up else before
+            if now is None:
+                return False
+            nodes[name] = now
+        elif isinstance(answer, TimedOut):
+            nodes[name] = unreachable(name)
+        elif isinstance(answer, AgentError):
+            nodes[name] = ObservedNode(name, answer.code, answer.message)
+        else:
+            nodes[name] = node_from_state(name, answer)
+        return True
+
+    async def batch(asks: Sequence[tuple[str, str | None]]) -> None:
+        answers = await client.states([(desired.nodes[n], g) for n, g in asks], concurrency=concurrency,
+                                      timeout=timeout)
+        again = [(name, None) for (name, _), answer in zip(asks, answers) if not settle(name, answer)]
+        if again:
+            await batch(again)  # asked with no generation: never Unchanged, so once more at most
 
     async def one(name: str) -> None:
-        before = known.get(name)
-        generation = before.generation if before is not None and before.ok else None
         spec = desired.nodes[name]
         try:
-            state = await client.state(spec, unless=generation, timeout=math.inf)
-            if isinstance(state, Unchanged):  # only ever for a generation asked about: `before`'s
-                assert before is not None
-                now = brought_up(before, state.live) if bring_up else before
-                if now is not None:
-                    nodes[name] = now
-                    return
-                state = await client.state(spec, timeout=math.inf)  # no moving values that fit: asked whole
-            assert not isinstance(state, Unchanged)  # asked with no generation: the client refuses a 304
-            nodes[name] = node_from_state(name, state)
+            if not settle(name, await client.state(spec, unless=generation(name), timeout=math.inf)):
+                settle(name, await client.state(spec, timeout=math.inf))
         except AgentError as exc:
             nodes[name] = ObservedNode(name, exc.code, exc.message)
 
@@ -71,11 +98,11 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
                     await one(name)
                 return
             if name is not None:
-                spec = desired.nodes[name]
-                nodes[name] = ObservedNode(name, "node_unreachable", f"node {name!r} at {spec.address}:"
-                                           f"{spec.agent_port} did not answer within {timeout:g}s")
+                nodes[name] = unreachable(name)
 
     async with trio.open_nursery() as nursery:
+        if batched:
+            nursery.start_soon(batch, [(n, generation(n)) for n in batched])
         for _ in range(max(1, concurrency)):
             nursery.start_soon(worker)
 

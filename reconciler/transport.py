@@ -83,6 +83,11 @@ class SocketTransport:
         self._keep, self._max_idle = keep_alive, max_idle
         self._idle: dict[tuple[str, int], socket.socket] = {}
 
+    @property
+    def keeps(self) -> bool:
+        """Whether it keeps connections between calls (the heartbeat's)."""
+        return self._keep
+
     async def exchange(self, request: AgentRequest) -> tuple[int, bytes]:
         node = request.node
         key = (node.address, node.agent_port)

@@ -1,0 +1,91 @@
+"""`fleet observe` (as plan and apply do) against a real fleet-agent process, keeping what it saw
+in the cache of observed states (reconciler/obscache.py): the next run uses a held state only once
+the agent confirms its generation, brought up to the agent's clock; a state that changed is asked
+for whole; a damaged cache is ignored with a warning."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from reconciler import config
+from reconciler.obscache import ObservationCache
+from reconciler.observed import Observed, node_from_state
+from tests.agents import Agent, agent_env, free_port
+from tests.conftest import fleet_bin
+
+pytestmark = pytest.mark.e2e
+MARK = "held-by-the-cache"
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    base = tmp_path_factory.mktemp("observed-cache")
+    (base / "gpus.json").write_text(json.dumps([{"name": "SIMULATED H100", "memory_total_bytes": 80 << 30,
+                                                 "memory_free_bytes": (60 << 30) + (128 << 20)}]))
+    a = Agent("node-a", "127.0.0.3", free_port("127.0.0.3"), base / "a", args=["--simulate-gpus", str(base / "gpus.json")])
+    try:
+        yield a.start()
+    finally:
+        a.stop()
+
+
+def observe(agent: Agent, cache: Path) -> tuple[dict[str, Any], str]:
+    """The node's state in a fresh snapshot, and what fleet said on stderr."""
+    fleet, snapshot = agent.home.parent / "fleet.yaml", agent.home.parent / "snapshot.json"
+    fleet.write_text(f"version: 1\ncontrol_plane: {{node: a}}\nnodes:\n  a: {{address: {agent.address}, "
+                     f"agent_port: {agent.port}}}\n")
+    done = subprocess.run([fleet_bin(), "observe", "-f", str(fleet), "-o", str(snapshot)], capture_output=True,
+                          text=True, timeout=60, env=agent_env(FLEET_CACHE_DIR=str(cache)))
+    assert done.returncode == 0, done.stderr
+    state: dict[str, Any] = json.loads(snapshot.read_text())["nodes"]["a"]["state"]
+    return state, done.stderr
+
+
+def mark_the_held_state(agent: Agent, cache_dir: Path) -> None:
+    """Rewrite the cache so that its state says MARK where the agent says its version, at the same
+    generation: a run that shows MARK took the state from the cache."""
+    desired = config.load(agent.home.parent / "fleet.yaml").desired
+    assert desired is not None
+    [kept] = (cache_dir / "observed").iterdir()  # the one fleet file's
+    cache = ObservationCache(kept, lambda m: pytest.fail(m))
+    state = cache.load(desired)["a"].state
+    assert state is not None
+    cache.save(desired, Observed({"a": node_from_state("a", {**state, "agent_version": MARK})}))
+
+
+def test_a_held_state_is_used_once_the_agent_confirms_it_and_a_changed_one_is_asked_whole(
+        agent: Agent, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    first, said = observe(agent, cache)
+    assert first["agent_version"] != MARK and "warning" not in said
+    [kept] = (cache / "observed").iterdir()
+    assert os.stat(kept).st_mode & 0o777 == 0o600
+
+    def confirmed() -> dict[str, Any] | None:
+        mark_the_held_state(agent, cache)
+        state, _ = observe(agent, cache)
+        # The home's disk is shared with other tests: its free space may cross a 256 MiB step
+        # between two runs, which is news (asked whole, rightly). Three tries.
+        return state if state["agent_version"] == MARK else None
+
+    warm = next((s for s in (confirmed() for _ in range(3)) if s is not None), None)
+    assert warm is not None, "the agent never confirmed the generation held"
+    assert warm["generation"] == first["generation"] and warm["observed_at"] > first["observed_at"]
+
+    # 1 GiB less free on the GPU: another generation, so the state is asked whole (not MARK's).
+    mark_the_held_state(agent, cache)
+    (agent.home.parent / "gpus.json").write_text(json.dumps([{"name": "SIMULATED H100", "memory_total_bytes": 80 << 30,
+                                                               "memory_free_bytes": (59 << 30) + (128 << 20)}]))
+    changed, _ = observe(agent, cache)
+    assert changed["agent_version"] != MARK and changed["generation"] != first["generation"]
+    assert changed["inventory"]["gpus"][0]["memory_free_bytes"] == (59 << 30) + (128 << 20)
+
+    kept.write_bytes(kept.read_bytes()[:-7])  # damaged: ignored with a warning, every state asked whole
+    after, said = observe(agent, cache)
+    assert after["agent_version"] != MARK and "is ignored" in said and "checksum" in said

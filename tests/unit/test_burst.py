@@ -1,0 +1,153 @@
+"""burst.py: the one-epoll fan-out of one-shot GETs. Its reader agrees with transport.read_response
+on every answer at every cut; on loopback, stand-in agents that answer, stay silent, refuse, or
+answer 304 get each its own result, in order, never more connections at once than allowed, and a
+cancelled batch ends its thread and its connections."""
+
+from __future__ import annotations
+
+import functools
+import socket
+from typing import Any
+
+import pytest
+import trio
+
+from reconciler.agent_errors import AgentProtocolError, NodeUnreachable
+from reconciler.burst import Reader, TimedOut, batchable, exchange_all
+from reconciler.model import NodeSpec
+from reconciler.transport import AgentRequest, read_response
+
+NODE = NodeSpec(name="n", address="127.0.0.1", agent_port=1)
+LIVE = b'["2026-11-30T12:00:00+02:00",1,2,[3],[]]'
+
+ANSWERS = [
+    b'HTTP/1.1 200 OK\r\ncontent-length: 11\r\ncontent-type: application/json\r\n\r\n{"a": true}',
+    b'HTTP/1.1 304 Not Modified\r\netag: "g"\r\nfleet-live: ' + LIVE + b"\r\n\r\n",
+    b'HTTP/1.1 304 Not Modified\r\netag: "g"\r\n\r\n',
+    b"HTTP/1.1 204 No Content\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\n\r\nto the end",  # no length: the body ends with the connection
+    b"HTTP/1.1 200 OK\r\ncontent-length: 20\r\n\r\nshort",  # cut short
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 2x\r\n\r\n",
+    b"NONSENSE\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-le",  # closed before the head ended
+]
+
+
+def through_reader(data: bytes, cut: int) -> Any:
+    """The reader fed `data` in two pieces cut at `cut`, then the connection's end."""
+    reader = Reader(NODE)
+    try:
+        for piece in [p for p in (data[:cut], data[cut:]) if p] + [b""]:
+            answer = reader.feed(piece)
+            if answer is not None:
+                return answer
+        return None
+    except (NodeUnreachable, AgentProtocolError) as exc:
+        return type(exc), exc.message
+
+
+def through_read_response(data: bytes) -> Any:
+    async def go() -> Any:
+        at = 0
+
+        async def receive(n: int) -> bytes:
+            nonlocal at
+            out = data[at:at + n]
+            at += len(out)
+            return out
+        try:
+            status, body, _ = await read_response(NODE, receive)
+            return status, body
+        except (NodeUnreachable, AgentProtocolError) as exc:
+            return type(exc), exc.message
+    return trio.run(go)
+
+
+@pytest.mark.parametrize("data", ANSWERS, ids=range(len(ANSWERS)))
+def test_the_reader_reads_as_read_response_does_at_every_cut(data: bytes) -> None:
+    expected = through_read_response(data)
+    for cut in range(1, len(data) + 1):
+        assert through_reader(data, cut) == expected, cut
+    if data.startswith(b"HTTP/1.1 304") and b"fleet-live" in data:
+        assert expected == (304, LIVE)
+
+
+def test_only_plain_agents_at_an_address_are_batched() -> None:
+    assert batchable(NODE) and batchable(NodeSpec(name="n", address="::1"))
+    assert not batchable(NodeSpec(name="n", address="node-a.example"))
+    assert not batchable(NodeSpec(name="n", address="127.0.0.1", tls=True))
+
+
+async def stand_in(stream: trio.SocketStream, *, answer: bytes | None, live: list[int], most: list[int]) -> None:
+    """Reads a request head and answers it (None: stays silent); counts connections open at once."""
+    live[0] += 1
+    most[0] = max(most[0], live[0])
+    try:
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            more = await stream.receive_some(65536)
+            if not more:
+                return
+            buf += more
+        await trio.sleep(0.01)  # so that connections overlap
+        if answer is None:  # silent until the client goes
+            while await stream.receive_some(65536):
+                pass
+            return
+        await stream.send_all(answer.replace(b"GENERATION", b"1" if b"if-none-match" in buf.lower() else b"0"))
+    finally:
+        live[0] -= 1
+        await stream.aclose()
+
+
+def test_each_request_gets_its_own_result_in_order_within_the_bound() -> None:
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))
+    closed_port = refused.getsockname()[1]
+    refused.close()  # nothing listens there now
+
+    async def main() -> None:
+        live, most = [0], [0]
+        async with trio.open_nursery() as nursery:
+            ok = await nursery.start(functools.partial(trio.serve_tcp, functools.partial(
+                stand_in, answer=b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nGENERATION", live=live, most=most),
+                0, host="127.0.0.1"))
+            silent = await nursery.start(functools.partial(trio.serve_tcp, functools.partial(
+                stand_in, answer=None, live=live, most=most), 0, host="127.0.0.1"))
+            port, quiet = ok[0].socket.getsockname()[1], silent[0].socket.getsockname()[1]
+            requests = [AgentRequest("GET", NodeSpec(name=f"n{i}", address="127.0.0.1", agent_port=port), "/v1/state",
+                                     None, "s" * 16, "g" if i % 2 else None) for i in range(20)]
+            requests.insert(5, AgentRequest("GET", NodeSpec(name="quiet", address="127.0.0.1", agent_port=quiet),
+                                            "/v1/state"))
+            requests.insert(7, AgentRequest("GET", NodeSpec(name="gone", address="127.0.0.1",
+                                                            agent_port=closed_port), "/v1/state"))
+            started = trio.current_time()
+            results = await exchange_all(requests, concurrency=4, timeout=0.5)
+            took = trio.current_time() - started
+            assert isinstance(results[5], TimedOut) and 0.5 <= took < 5
+            assert isinstance(results[7], ConnectionRefusedError)
+            rest = [r for i, r in enumerate(results) if i not in (5, 7)]
+            assert rest == [(200, b"1" if i % 2 else b"0") for i in range(20)]
+            assert most[0] <= 4
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_cancelled_batch_ends_its_connections() -> None:
+    async def main() -> None:
+        live, most = [0], [0]
+        async with trio.open_nursery() as nursery:
+            silent = await nursery.start(functools.partial(trio.serve_tcp, functools.partial(
+                stand_in, answer=None, live=live, most=most), 0, host="127.0.0.1"))
+            node = NodeSpec(name="quiet", address="127.0.0.1", agent_port=silent[0].socket.getsockname()[1])
+            with trio.move_on_after(0.3):
+                await exchange_all([AgentRequest("GET", node, "/v1/state")] * 3, concurrency=8, timeout=60)
+            assert most[0] == 3
+            with trio.fail_after(5):  # the thread saw the cancel and closed every connection
+                while live[0]:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
