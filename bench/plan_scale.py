@@ -98,7 +98,7 @@ def split(path: Path, secret: str, cache_dir: Path) -> str:
         step("read the cache")
         observed = trio.run(ask, loaded.desired, held)
         step("ask the agents")
-        cache.save(loaded.desired, observed)
+        cache.save(loaded.desired, observed, held)
         step("keep the states")
     p = plan(loaded.desired, observed, config_digest=loaded.digest or "", config_file=loaded.filename)
     step("plan")

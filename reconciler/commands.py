@@ -60,7 +60,7 @@ async def _observe(desired: Desired, timeout: float, secret: str, cache: Observa
     async with AgentClient(secret, timeout=timeout) as client:
         seen = await observe(desired, client, timeout=timeout, held=held, bring_up=True)
     if cache is not None:
-        cache.save(desired, seen)
+        cache.save(desired, seen, held)
     return seen
 
 

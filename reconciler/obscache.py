@@ -94,11 +94,15 @@ class ObservationCache:
             raise ValueError("its entries are not states")
         return entries
 
-    def save(self, desired: Desired, observed: Observed) -> None:
-        """Keep the states observed now (the nodes that answered), in place of what was kept."""
+    def save(self, desired: Desired, observed: Observed, held: Mapping[str, ObservedNode] | None = None) -> None:
+        """Keep the states observed now (the nodes that answered), in place of what was kept;
+        nothing is written when they are the generations `held` (what load() gave), all of them."""
         entries = {name: (_where(desired.nodes[name]), node.state) for name, node in observed.nodes.items()
                    if node.ok and node.state is not None and isinstance(node.state.get("generation"), str)
                    and name in desired.nodes}
+        if held is not None and entries.keys() == held.keys() and all(
+                entries[name][1].get("generation") == node.generation for name, node in held.items()):
+            return  # the file already holds these states (their moving values aside, which a 304 brings)
         payload = marshal.dumps(entries)
         if len(payload) > MAX_BYTES:
             self.warn(f"the observed states are {len(payload) >> 20} MiB, more than the cache keeps "

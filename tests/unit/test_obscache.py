@@ -22,7 +22,7 @@ from reconciler.client import AgentClient
 from reconciler.model import ControlPlaneSpec, Desired, NodeSpec
 from reconciler.obscache import ObservationCache
 from reconciler.observe import observe
-from reconciler.observed import Observed, ObservedNode
+from reconciler.observed import Observed, ObservedNode, node_from_state
 from reconciler.transport import Answer, MemoryTransport, asgi
 from wire import live
 
@@ -182,3 +182,20 @@ def test_an_unwritable_cache_is_a_warning_not_a_failure(tmp_path: Path) -> None:
     cache = ObservationCache(tmp_path / "file" / "f.bin", warnings.append)  # its directory is a file
     cache.save(DESIRED, observed_once(tmp_path))
     assert len(warnings) == 1 and "cannot keep the observed states" in warnings[0]
+
+
+def test_the_cache_is_not_written_again_when_every_state_is_the_one_held(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    cache = ObservationCache(tmp_path / "c" / "f.bin", warnings.append)
+    seen = observed_once(tmp_path)
+    cache.save(DESIRED, seen)
+    held = cache.load(DESIRED)
+    before = os.stat(cache.path).st_ino
+    cache.save(DESIRED, seen, held)
+    assert os.stat(cache.path).st_ino == before  # not replaced
+    node = seen.nodes["n"]
+    assert node.state is not None
+    changed = Observed({"n": node_from_state("n", {**node.state, "generation": "another"})})
+    cache.save(DESIRED, changed, held)
+    assert os.stat(cache.path).st_ino != before and cache.load(DESIRED)["n"].generation == "another"
+    assert not warnings
