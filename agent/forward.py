@@ -10,8 +10,6 @@ STALL_S seconds (`piece_wait_timeout` before the answer's head, a cut connection
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
@@ -20,7 +18,7 @@ import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .blobs import CHUNK, parse_range
+from .blobs import CHUNK, bulk_sending, head_of, parse_range, send_body, send_error, send_unsatisfiable
 
 STALL_S = 30.0  # below the peer client's 60 s idle timeout, so the downstream hears why first
 POLL_S = 0.01
@@ -86,49 +84,33 @@ class PartialBlobResponse(Response):
         self.stall_s = stall_s
         self.background = None
 
-    async def _error(self, send: Send, status: int, code: str, message: str, extra: list[tuple[bytes, bytes]]) -> None:
-        body = json.dumps({"error": {"code": code, "message": message}}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": extra + [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         p = self.partial
         rng = parse_range(self.range_header, p.size)
         if rng == "unsatisfiable":
-            await self._error(send, 416, "range_not_satisfiable", f"the range asked ({(self.range_header or '')[:64]})"
-                              f" is outside the blob's {p.size} bytes", [(b"content-range", f"bytes */{p.size}".encode())])
+            await send_unsatisfiable(send, self.range_header, p.size)
             return
-        start, end = rng if isinstance(rng, tuple) else (0, p.size - 1)
-        length = end - start + 1 if p.size else 0
+        status, headers, start, length = head_of(rng if isinstance(rng, tuple) else None, p.size)
         if length:
             try:
                 await p.wait_for(start, self.stall_s)
             except UpstreamEnded as exc:
-                await self._error(send, 504, "piece_wait_timeout", f"byte {start:,} is not verified here yet: {exc}", [])
+                await send_error(send, 504, "piece_wait_timeout", f"byte {start:,} is not verified here yet: {exc}")
                 return
-        headers = [(b"content-type", b"application/octet-stream"), (b"accept-ranges", b"bytes"),
-                   (b"content-length", str(length).encode())]
-        if isinstance(rng, tuple):
-            headers.append((b"content-range", f"bytes {start}-{end}/{p.size}".encode()))
-        await send({"type": "http.response.start", "status": 206 if isinstance(rng, tuple) else 200,
-                    "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         if scope["method"] == "HEAD" or length == 0:
             await send({"type": "http.response.body", "body": b""})
             return
-        with await _open(p) as fh:
-            pos, left = start, length
-            while left:
-                await p.wait_for(pos, self.stall_s)  # UpstreamEnded cuts the answer: the peer resumes
-                n = min(CHUNK, left, p.verified - pos)
-                chunk = os.pread(fh.fileno(), n, pos)
-                if len(chunk) != n:
-                    raise UpstreamEnded(f"{p.path} shrank while being forwarded")
-                if p.verified < p.size:
-                    p.served += n
-                pos, left = pos + n, left - n
-                await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
+
+        async def ready(pos: int) -> int:
+            await p.wait_for(pos, self.stall_s)  # UpstreamEnded cuts the answer: the peer resumes
+            verified = p.verified
+            if verified < p.size:
+                p.served += min(CHUNK, verified - pos, start + length - pos)
+            return verified
+
+        with await _open(p) as fh, bulk_sending(scope):
+            await send_body(send, fh.fileno(), start, length, ready)
 
 
 async def _open(p: Partial) -> IO[bytes]:
