@@ -22,6 +22,11 @@ from wire.http import MAX_HEAD, HeadTooLarge, MalformedHead, split_head
 RECV = 1 << 20
 BLOCK = 4 << 20  # a bulk body is handed on in blocks of this size (bounded by FILL_S)
 FILL_S = 0.1
+# Behind a 1 Gbit/s link a receiver woken per arrival reads ~64-90 KiB a call: 0.7-1.0 CPU-s per GiB
+# here; napping 2 ms when a read brought less than 256 KiB: 0.4-0.5 CPU-s, at the same wall time. A
+# faster link fills the socket within the nap, reads come back large and it naps no more.
+NAP_BELOW = 256 << 10
+NAP_S = 0.002
 BULK = 8 << 20  # bodies larger than this are received in a worker thread
 IDLE_TIMEOUT = 60.0  # a peer that sends nothing for this long is given up on (the fetch can resume)
 
@@ -70,6 +75,8 @@ def _fill(sock: socket.socket, view: memoryview, size: int) -> tuple[int, bool]:
             if not n:
                 return filled, True
             filled += n
+            if n < NAP_BELOW:  # faster than the link: let it fill the socket a moment, not wake per segment
+                time.sleep(min(NAP_S, max(0.0, until - time.monotonic())))
     finally:
         sock.settimeout(IDLE_TIMEOUT)
     return filled, False

@@ -10,7 +10,11 @@ fsync, and 1 GiB over a loopback socket (sendfile on one side, recv_into on the 
 thread CPU). A hop of a chain costs at least a receive, two hashes (the piece's and the whole
 file's), a write and, in the middle, a send.
 
-    .venv/bin/python bench/hopcpu.py [--gib 1.0] [--runs 1] [--dir DIR]
+    .venv/bin/python bench/hopcpu.py [--gib 1.0] [--runs 1] [--rate 1gbit] [--dir DIR]
+
+With --rate, the three agents are set up as bench/fanout.py sets up its own (a namespace each, a
+veth pair, a tbf egress limit; root): the CPU of a hop at line rate, where a sender is woken as the
+link drains.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -112,19 +118,18 @@ def floor_socket(src: Path) -> tuple[float, float]:
     return sender[0], receiver
 
 
-def chain(agents: dict[str, Agent], digest: str) -> tuple[float, dict[str, float]]:
+def chain(urls: dict[str, str], pids: dict[str, int], digest: str) -> tuple[float, dict[str, float]]:
     """mid fetches from src and tail from mid, both asked at once: seconds, and each agent's CPU."""
-    pids = {n: a.proc.pid for n, a in agents.items() if a.proc is not None}
     before = {n: cpu_of(p) for n, p in pids.items()}
     start = time.perf_counter()
     for name, peer in (("mid", "src"), ("tail", "mid")):
-        httpx.put(f"{agents[name].url}/v1/weights/{digest}", json={"peer": agents[peer].url, "name": "m"},
+        httpx.put(f"{urls[name]}/v1/weights/{digest}", json={"peer": urls[peer], "name": "m"},
                   headers=AUTH, timeout=30).raise_for_status()
     waiting = {"mid", "tail"}
     while waiting:
         time.sleep(0.25)  # each poll costs the agents CPU: poll rarely
         for name in sorted(waiting):
-            body = httpx.get(f"{agents[name].url}/v1/weights/{digest}", headers=AUTH, timeout=30).json()
+            body = httpx.get(f"{urls[name]}/v1/weights/{digest}", headers=AUTH, timeout=30).json()
             if body["state"] == "present":
                 waiting.discard(name)
             elif body["state"] == "failed":
@@ -132,8 +137,42 @@ def chain(agents: dict[str, Agent], digest: str) -> tuple[float, dict[str, float
     took = time.perf_counter() - start
     spent = {n: cpu_of(p) - before[n] for n, p in pids.items()}
     for name in ("mid", "tail"):
-        httpx.delete(f"{agents[name].url}/v1/weights/{digest}", headers=AUTH, timeout=30).raise_for_status()
+        httpx.delete(f"{urls[name]}/v1/weights/{digest}", headers=AUTH, timeout=30).raise_for_status()
     return took, spent
+
+
+@contextmanager
+def on_loopback(base: Path) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
+    port = free_port("127.0.0.2", "127.0.0.3", "127.0.0.4")
+    agents = {n: Agent(n, f"127.0.0.{i}", port, base / n, args=["--verify-every", "off", "--disk-reserve", "0"])
+              for i, n in ((2, "src"), (3, "mid"), (4, "tail"))}
+    try:
+        for a in agents.values():
+            a.start()
+        yield {n: a.url for n, a in agents.items()}, {n: a.proc.pid for n, a in agents.items() if a.proc}
+    finally:
+        for a in agents.values():
+            a.stop()
+
+
+@contextmanager
+def shaped(base: Path, rate: str) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
+    """The three agents each in a network namespace of its own behind `rate` of tbf, as bench/fanout.py
+    sets them up (and cleans them up: its namespaces and links, named with its prefix)."""
+    from bench import fanout
+    if os.geteuid() != 0:
+        raise SystemExit("--rate needs root (ip netns, veth, tc)")
+    fanout.cleanup([])
+    agents = fanout.Agents(base)
+    try:
+        net = fanout.Net(rate, 2.0)
+        for i, name in enumerate(("src", "mid", "tail")):
+            agents.start(name, *net.add(i), i)
+        agents.wait_up()
+        yield {n: agents.url(n) for n in agents.nodes}, {n: p.pid for n, p in zip(agents.nodes, agents.procs)}
+    finally:
+        agents.stop()
+        fanout.cleanup([])
 
 
 def main() -> None:
@@ -141,7 +180,10 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--piece-size", default="16MiB")
-    ap.add_argument("--dir", type=Path, default=None, help="where the agents' homes go (default: a temporary directory)")
+    ap.add_argument("--rate", default=None, help="each agent in a namespace of its own behind this tbf egress "
+                    "limit (1gbit: bench/fanout.py's links; needs root); default: loopback, no shaping")
+    ap.add_argument("--dir", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
+                    help="where the agents' homes go (default: /dev/shm, a tmpfs, as bench/fanout.py's)")
     args = ap.parse_args()
     size = int(args.gib * GIB) // (1 << 20) << 20
     gib = size / GIB
@@ -149,21 +191,16 @@ def main() -> None:
         base = Path(tmp)
         model = base / "m.gguf"
         make_file(model, size)
-        port = free_port("127.0.0.2", "127.0.0.3", "127.0.0.4")
-        agents = {n: Agent(n, f"127.0.0.{i}", port, base / n, args=["--verify-every", "off", "--disk-reserve", "0"])
-                  for i, n in ((2, "src"), (3, "mid"), (4, "tail"))}
-        try:
-            for a in agents.values():
-                a.start()
-            imported = subprocess.run([fleet_bin("fleet-agent"), "import", "--home", str(agents["src"].home), str(model),
+        with (shaped(base, args.rate) if args.rate else on_loopback(base)) as (urls, pids):
+            imported = subprocess.run([fleet_bin("fleet-agent"), "import", "--home", str(base / "src"), str(model),
                                        "--link", "--json", "--piece-size", args.piece_size],
                                       capture_output=True, text=True, env=agent_env(), check=True, timeout=600)
             digest = json.loads(imported.stdout)["digest"]
-            print(f"model {gib:.2f} GiB in pieces of {args.piece_size}; load average {os.getloadavg()[0]:.2f}; "
-                  f"{os.cpu_count()} cores", flush=True)
-            per_role: dict[str, list[float]] = {n: [] for n in agents}
+            print(f"model {gib:.2f} GiB in pieces of {args.piece_size}; {args.rate or 'loopback, no shaping'}; "
+                  f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} cores", flush=True)
+            per_role: dict[str, list[float]] = {n: [] for n in pids}
             for run in range(args.runs):
-                took, spent = chain(agents, digest)
+                took, spent = chain(urls, pids, digest)
                 for n, s in spent.items():
                     per_role[n].append(s / gib)
                 sha = floor_sha256(model) / gib
@@ -173,15 +210,12 @@ def main() -> None:
                       + "  ".join(f"{n} {s / gib:.2f}" for n, s in spent.items())
                       + f"; load {os.getloadavg()[0]:.2f}", flush=True)
                 print(f"       floor CPU-s/GiB: sha256 {sha:.2f}, write {write:.2f} + fsync {sync:.2f}, sendfile {send:.2f}, "
-                      f"recv_into {recv:.2f}; a middle hop's floor (recv, 2 x sha256, write, send) "
+                      f"recv_into {recv:.2f} (loopback); a middle hop's floor (recv, 2 x sha256, write, send) "
                       f"{recv + 2 * sha + write + sync + send:.2f}, a tail's {recv + 2 * sha + write + sync:.2f}", flush=True)
             if args.runs > 1:
                 print("median CPU-s/GiB over the runs: " + "  ".join(f"{n} {statistics.median(v):.2f}"
                                                                       for n, v in per_role.items())
                       + "; lowest: " + "  ".join(f"{n} {min(v):.2f}" for n, v in per_role.items()))
-        finally:
-            for a in agents.values():
-                a.stop()
 
 
 if __name__ == "__main__":
