@@ -14,7 +14,7 @@ threads T and a context of 2048:
   llama_cpp_xN N such servers (N = --procs, each with T threads), streams spread round-robin:
                what several engine processes behind the router give
   llama_cpp_batch  the bindings' batched decoding (llama_batch over n sequences), in process
-               without HTTP: what a llama.cpp worker of our own could reach
+               without HTTP (bench/llama_batch.py): what a llama.cpp worker of our own could reach
 
 Each stream asks for a story (greedy, --tokens new tokens, counted from the usage chunk or the
 chunks) and sends its requests back to back. Three runs per engine: 1 stream (--requests in a
@@ -318,68 +318,6 @@ def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | 
               f"{cs:4.2f}x | cut {cut:g}", flush=True)
 
 
-def llama_batched(args: argparse.Namespace) -> None:
-    """The bindings' own batched decoding, in process and without HTTP: n sequences in one
-    llama_decode per step (one context, n_seq_max = n), greedy. What a llama.cpp worker built on
-    llama_batch could reach, against one sequence through the same code."""
-    import ctypes
-
-    import llama_cpp as L
-    import numpy as np
-    from transformers import AutoTokenizer
-
-    twin = smollm2_safetensors(ROOT / ".pytest_cache" / "d" / "fleet-models", "float32")
-    tok: Any = AutoTokenizer.from_pretrained(str(twin))
-    @L.llama_log_callback  # type: ignore[untyped-decorator]
-    def quiet(level: int, text: bytes, user_data: object) -> None:
-        pass
-    L.llama_log_set(quiet, ctypes.c_void_p())
-    L.llama_backend_init()
-    model = L.llama_model_load_from_file(str(smollm2_gguf()).encode(), L.llama_model_default_params())
-    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-
-    def run(n: int) -> tuple[float, float]:
-        params = L.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 4096, 1024, 1024, n
-        params.n_threads = params.n_threads_batch = args.threads or DEFAULT_THREADS
-        ctx = L.llama_init_from_model(model, params)
-        batch = L.llama_batch_init(1024, 0, n)
-        prompts = [list(tok.apply_chat_template([{"role": "user", "content": f"Write a long story about {t}."}],
-                                                add_generation_prompt=True, tokenize=True)["input_ids"])
-                   for t in TOPICS[:n]]
-
-        def decode(items: list[tuple[int, int, int, bool]]) -> list[int]:
-            batch.n_tokens = len(items)
-            for i, (token, pos, seq, out) in enumerate(items):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, out
-                batch.seq_id[i][0] = seq
-            assert L.llama_decode(ctx, batch) == 0
-            picked = []
-            for i, (_, _, _, out) in enumerate(items):
-                if out:
-                    logits = np.ctypeslib.as_array(ctypes.cast(L.llama_get_logits_ith(ctx, i),
-                                                               ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
-                    picked.append(int(logits.argmax()))
-            return picked
-        t0 = time.perf_counter()
-        last = decode([(t, p, s, p == len(ids) - 1) for s, ids in enumerate(prompts) for p, t in enumerate(ids)])
-        ttft = time.perf_counter() - t0
-        for step in range(args.tokens - 1):
-            last = decode([(last[s], len(prompts[s]) + step, s, True) for s in range(n)])
-        wall = time.perf_counter() - t0
-        L.llama_batch_free(batch)
-        L.llama_free(ctx)
-        return n * args.tokens / wall, ttft
-
-    run(1)  # warm-up
-    tps1, ttft1 = run(1)
-    tpsn, ttftn = run(args.streams)
-    print(f"{'llama_cpp_batch':<14} 1 sequence: {tps1:5.1f} tok/s, TTFT {ttft1 * 1000:4.0f} ms | {args.streams} sequences "
-          f"in one batch: {tpsn:5.1f} tok/s ({tpsn / tps1:4.2f}x), TTFT {ttftn / ttft1:4.1f}x "
-          "(in process, no HTTP)", flush=True)
-    L.llama_model_free(model)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="torch,llama_cpp,llama_cpp_ni,llama_cpp_xN,llama_cpp_batch")
@@ -403,7 +341,9 @@ def main() -> None:
     for name in args.engines.split(","):
         shape: Shape | None = None
         if name == "llama_cpp_batch":
-            llama_batched(args)
+            from bench.llama_batch import llama_batched
+
+            llama_batched(args, TOPICS)
             continue
         if name in ("torch", "torch_nocache"):
             model = smollm2_safetensors(ROOT / ".pytest_cache" / "d" / "fleet-models", "float32")  # the tests' copy
