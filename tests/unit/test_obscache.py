@@ -199,3 +199,78 @@ def test_the_cache_is_not_written_again_when_every_state_is_the_one_held(tmp_pat
     cache.save(DESIRED, changed, held)
     assert os.stat(cache.path).st_ino != before and cache.load(DESIRED)["n"].generation == "another"
     assert not warnings
+
+
+RICH: dict[str, Any] = {
+    "identity": {"id": "b" * 32, "name": "gpu-a", "enrolled_at": "2026-01-01T00:00:00+00:00"},
+    "agent_version": "0.1.0", "variant": {"accelerator": "cuda", "torch": "2.4.0"},
+    "inventory": {"cores": {"logical": 2, "usable": 2}, "memory": {"total_bytes": 1 << 34, "available_bytes": 1 << 33},
+                  "disk": {"path": "/srv/fleet", "free_bytes": (40 << 30) + (128 << 20), "total_bytes": 1 << 40,
+                           "reserve_bytes": 1 << 30},
+                  "gpus": [{"index": 0, "name": "H100", "uuid": "GPU-1", "memory_total_bytes": 80 << 30,
+                            "memory_free_bytes": (70 << 30) + (128 << 20)}],
+                  "gpu_source": "nvml", "gpu_note": "", "simulated": False},
+    "availability": {"windows": ["19:00-07:00"], "always": False, "inside": True,
+                     "current_ends_at": "2026-12-01T07:00:00+01:00", "next_starts_at": "2026-12-01T19:00:00+01:00"},
+    "observed_at": "2026-11-30T23:00:00+01:00",
+    "weights": [{"digest": "sha256:" + "a" * 64, "name": "m", "format": "gguf", "bytes": 1000, "layers": None,
+                 "slice": None, "path": "/srv/fleet/m", "integrity": {"state": "verified", "checked_at": None,
+                                                                      "file": None, "reason": None}}],
+    "fetches": [{"digest": "sha256:" + "c" * 64, "state": "fetching", "peer": "http://10.0.0.3:7070", "layers": None,
+                 "bytes_total": 10, "bytes_done": 5, "bytes_fetched": 5, "rate_bytes_per_s": 1, "error": None}],
+    "servers": [{"id": "chat@gpu-a", "state": "running", "model": "sha256:" + "a" * 64, "backend": "llama.cpp",
+                 "host": "0.0.0.0", "port": 9000, "pid": 42, "settings": {"ctx": 4096, "nested": {"a": [1, 2]}},
+                 "speculative": None, "uptime_s": 12.5, "reason": None, "exit": None}],
+    "link_rates": [{"peer": "10.0.0.3:7070", "bytes_per_s": 100, "samples": 2, "last_bytes_per_s": 90,
+                    "measured_at": "2026-11-30T22:00:00+00:00"}],
+}
+MOVING = {("observed_at",), ("inventory", "memory", "available_bytes"), ("servers", 0, "uptime_s")}
+STEPPED = {("inventory", "disk", "free_bytes"), ("inventory", "gpus", 0, "memory_free_bytes")}
+
+
+def leaves(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in leaves(v, path + (k,))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in leaves(v, path + (i,))]
+    return [path]
+
+
+def changed(state: dict[str, Any], path: tuple[Any, ...], by: int = 1) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(json.dumps(state))
+    *parents, last = path
+    at: Any = out
+    for p in parents:
+        at = at[p]
+    value = at[last]
+    at[last] = (not value if isinstance(value, bool) else value + by if isinstance(value, (int, float))
+                else "other" if value is None else value + "x")
+    return out
+
+
+@pytest.mark.parametrize("path", leaves(RICH), ids=lambda p: ".".join(map(str, p)))
+def test_any_change_but_the_moving_values_is_another_generation(path: tuple[Any, ...]) -> None:
+    """What a 304 spares the control plane is exactly what wire/live.py brings: every other field
+    of the state, changed, names another generation (agent/app.generation, as GET /v1/state uses it)."""
+    from agent.app import STEP, generation
+
+    if path in MOVING:
+        assert generation(changed(RICH, path)) == generation(RICH)  # type: ignore[arg-type]
+        values = live.decode(live.encode(changed(RICH, path)))
+        assert values is not None and live.brought_up(RICH, values) == changed(RICH, path)
+    elif path in STEPPED:
+        assert generation(changed(RICH, path, 100 << 20)) == generation(RICH)  # type: ignore[arg-type]
+        assert generation(changed(RICH, path, STEP)) != generation(RICH)  # type: ignore[arg-type]
+        values = live.decode(live.encode(changed(RICH, path, 100 << 20)))
+        assert values is not None and live.brought_up(RICH, values) == changed(RICH, path, 100 << 20)
+    else:
+        assert generation(changed(RICH, path)) != generation(RICH)  # type: ignore[arg-type]
+
+
+def test_a_server_or_a_model_more_or_less_is_another_generation() -> None:
+    from agent.app import generation
+
+    for key in ("weights", "fetches", "servers", "link_rates"):
+        fewer = {**RICH, key: []}
+        more = {**RICH, key: RICH[key] * 2}
+        assert len({generation(RICH), generation(fewer), generation(more)}) == 3, key  # type: ignore[arg-type]
