@@ -4,26 +4,31 @@ Starlette's FileResponse moves 64 KiB per ASGI message and tops out near 130 MB/
 docs/ARCHITECTURE.md); 4 MiB messages cut the per-message cost of h11 and the ASGI hop to noise, which is
 what lets replication run near the disk-and-hash limit on one port.
 
-trio gives every connection TCP_NOTSENT_LOWAT = 16 KiB (low latency for small answers): a bulk
-body then wakes the event loop for every 16 KiB the link drains. Measured here behind a 1 Gbit/s
-tbf: 1.9-2.1 CPU-s per GiB for the sender, 0.73-0.81 with the limit lifted, 0.16 with sendfile
-(which the ASGI body messages rule out). So a blob answer lifts it on its own connection while its
-body is sent, and sets it back after."""
+A body is sent with sendfile on the connection's own socket when the request asks to close the
+connection after the answer (agent/peerhttp.py's do): the server sends the head and never sees the
+body, which ends with the connection. Behind a 1 Gbit/s tbf, a sender moved a GiB for 0.16 CPU-s by
+sendfile against 1.9-2.1 through trio's send_all, whose 16 KiB TCP_NOTSENT_LOWAT (set on every
+connection) woke the event loop for every 16 KiB the link drained. Other requests keep the ASGI
+messages, with that low-water mark lifted on their connection while the body is sent (0.73-0.81)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import select
 import socket
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Awaitable, Callable, Iterator
 
+import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 CHUNK = 4 << 20
+SEND_IDLE_S = 60.0  # a peer that reads nothing for this long is cut (as agent/peerhttp.py gives up on one)
 BULK_LOWAT = 4 << 20  # unsent bytes a bulk answer lets the kernel hold before its socket is writable
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)\Z")
 # A position of more digits than this is past the end of any file. Python refuses int() of more
@@ -79,10 +84,11 @@ async def send_unsatisfiable(send: Send, range_header: str | None, size: int) ->
 
 
 async def send_body(send: Send, fd: int, start: int, length: int,
-                    ready: Callable[[int], Awaitable[int]] | None = None) -> None:
-    """Bytes start..start+length-1 of the file `fd`, CHUNK at a time: the one body loop of a stored
-    blob and of a file being fetched. `ready(pos)` waits until byte `pos` may be sent and says how
-    far the file may be read (a partial file's verified prefix); None: the whole file may be."""
+                    ready: Callable[[int], Awaitable[int]] | None = None,
+                    sending: Callable[[int], None] | None = None) -> None:
+    """Bytes start..start+length-1 of the file `fd` in ASGI messages of CHUNK. `ready(pos)` waits
+    until byte `pos` may be sent and says how far the file may be read (a partial file's verified
+    prefix; None: the whole file may be); `sending(n)` is told of each n bytes before they go."""
     pos, left = start, length
     while left:
         n = min(CHUNK, left) if ready is None else min(CHUNK, left, await ready(pos) - pos)
@@ -91,8 +97,67 @@ async def send_body(send: Send, fd: int, start: int, length: int,
         chunk = os.pread(fd, n, pos)
         if len(chunk) != n:
             raise OSError(f"the file shrank while being served ({len(chunk)} of {n} bytes at {pos:,})")
+        if sending is not None:
+            sending(n)
         pos, left = pos + n, left - n
         await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
+
+
+async def send_range(scope: Scope, send: Send, fd: int, start: int, length: int,
+                     ready: Callable[[int], Awaitable[int]] | None = None,
+                     sending: Callable[[int], None] | None = None) -> None:
+    """The body of a blob answer whose head is sent: with sendfile on the connection's own socket
+    where the request allows it (plain HTTP/1.x asking to close the connection after the answer,
+    as agent/peerhttp.py asks), else in ASGI messages (send_body). Same `ready` and `sending`."""
+    sock = _direct_socket(scope)
+    if sock is None:
+        with bulk_sending(scope):
+            await send_body(send, fd, start, length, ready, sending)
+        return
+    with sock:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, BULK_LOWAT)
+        except (OSError, AttributeError):
+            pass
+        pos, left = start, length
+        try:
+            while left:
+                n = left if ready is None else min(left, await ready(pos) - pos)
+                if sending is not None:
+                    sending(n)
+                await trio.to_thread.run_sync(_sendfile, sock, fd, pos, n, abandon_on_cancel=True)
+                pos, left = pos + n, left - n
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            return  # the peer went away or stopped reading: it resumes from what it verified
+        finally:
+            # The server never saw this body: the answer ends with the connection, as the request
+            # asked. A cut answer (UpstreamEnded, an error) ends it early, as a cut ASGI body does.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def _direct_socket(scope: Scope) -> socket.socket | None:
+    if scope.get("scheme") != "http" or scope.get("http_version") not in ("1.0", "1.1"):
+        return None  # TLS is the server's to write; HTTP/2 multiplexes the connection
+    if not any(name == b"connection" and b"close" in value.lower() for name, value in scope.get("headers", ())):
+        return None  # the server may answer further requests on this connection: it keeps its framing
+    return connection_socket(scope)
+
+
+def _sendfile(sock: socket.socket, fd: int, pos: int, count: int) -> None:
+    """Send `count` bytes of `fd` from `pos`, blocking (the socket is the server's: non-blocking)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    while count:
+        try:
+            n = os.sendfile(sock.fileno(), fd, pos, count)
+        except BlockingIOError:
+            if not poller.poll(SEND_IDLE_S * 1000):
+                raise TimeoutError(f"the peer read nothing for {SEND_IDLE_S:.0f} s") from None
+            continue
+        if n == 0:
+            raise OSError(f"the file shrank while being served (at {pos:,}, {count:,} bytes to go)")
+        pos, count = pos + n, count - n
 
 
 def connection_socket(scope: Scope) -> socket.socket | None:
@@ -165,5 +230,4 @@ class BlobResponse(Response):
             if scope["method"] == "HEAD" or length == 0:
                 await send({"type": "http.response.body", "body": b""})
                 return
-            with bulk_sending(scope):
-                await send_body(send, fh.fileno(), start, length)
+            await send_range(scope, send, fh.fileno(), start, length)

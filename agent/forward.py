@@ -18,7 +18,7 @@ import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .blobs import CHUNK, bulk_sending, head_of, parse_range, send_body, send_error, send_unsatisfiable
+from .blobs import head_of, parse_range, send_error, send_range, send_unsatisfiable
 
 STALL_S = 30.0  # below the peer client's 60 s idle timeout, so the downstream hears why first
 POLL_S = 0.01
@@ -104,13 +104,14 @@ class PartialBlobResponse(Response):
 
         async def ready(pos: int) -> int:
             await p.wait_for(pos, self.stall_s)  # UpstreamEnded cuts the answer: the peer resumes
-            verified = p.verified
-            if verified < p.size:
-                p.served += min(CHUNK, verified - pos, start + length - pos)
-            return verified
+            return p.verified
 
-        with await _open(p) as fh, bulk_sending(scope):
-            await send_body(send, fh.fileno(), start, length, ready)
+        def sending(n: int) -> None:
+            if p.verified < p.size:
+                p.served += n
+
+        with await _open(p) as fh:
+            await send_range(scope, send, fh.fileno(), start, length, ready, sending)
 
 
 async def _open(p: Partial) -> IO[bytes]:
