@@ -1,7 +1,9 @@
 """Ask every agent for its state, concurrently and bounded, each with its own timeout; then fetch
 the full manifests that slices are computed from. The result is typed (reconciler/observed.py).
 The heartbeat's observer asks each agent for news only: an agent whose state is the generation
-held answers 304 and the node held is kept, and manifests (content-addressed) are fetched once."""
+held answers 304 and the node held is kept, and manifests (content-addressed) are fetched once.
+A one-shot command's plain agents are asked all at once on one epoll (burst.py), with the states
+its cache held (obscache.py), each brought up to now by the 304 that confirms it."""
 
 from __future__ import annotations
 
