@@ -9,6 +9,7 @@ positions keep each row's arithmetic what it would be alone.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -113,6 +114,16 @@ class Rows:
             row = end
         out.length = width
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """Tokens that several prompts of a burst begin with, computed in the same forward as their
+    tails: `tokens` after what `hit` holds of them; `follow[r]` says whether tail r comes after it."""
+
+    tokens: list[int]
+    hit: Hit | None
+    follow: list[bool]
 
 
 class Stack:
@@ -238,35 +249,50 @@ class Stack:
         rows, hidden = self.fill(self.embed_padded(tails), [len(t) for t in tails], hits)
         return rows, self.head(hidden)
 
-    def _packing_pays(self, tails: list[list[int]], hits: list[Hit | None]) -> bool:
-        """Whether packing computes less than padding: the layers' weights cost 2 x their
-        parameters per token either way, attention 4 x heads x head_dim per (query, key) pair, and
-        packed, every query meets every key of the burst (masked, still computed)."""
+    def cost(self, tokens: int, pairs: int) -> int:
+        """The FLOPs of computing `tokens` tokens with `pairs` (query, key) pairs of attention:
+        the layers' weights cost 2 x their parameters per token, attention 4 x heads x head_dim
+        per pair (masked pairs too: they are computed all the same)."""
         if self._per_token is None:
             self._per_token = 2 * sum(p.numel() for layer in self.layers for p in layer.parameters())
-        per_pair = 4 * self.heads * self.head_dim * len(self.layers)
+        return tokens * self._per_token + pairs * 4 * self.heads * self.head_dim * len(self.layers)
+
+    def _packing_pays(self, tails: list[list[int]], hits: list[Hit | None]) -> bool:
+        """Whether packing computes less than padding: packed, every query meets every key of
+        the burst; padded, every row is as long as the longest."""
         before = [h.length if h is not None else 0 for h in hits]
         width, start = max(map(len, tails)), max(before)
-        padded = len(tails) * width * (self._per_token + per_pair * (start + width))
         queries = sum(map(len, tails))
         keys = queries + sum(length for _, length in _distinct(hits))
-        return queries * (self._per_token + per_pair * keys) < padded
+        return self.cost(queries, queries * keys) < self.cost(len(tails) * width, len(tails) * width * (start + width))
 
-    def pack(self, tails: list[list[int]], hits: list[Hit | None]) -> tuple[Rows, torch.Tensor]:
+    def pack(self, tails: list[list[int]], hits: list[Hit | None],
+             opening: Opening | None = None) -> tuple[Rows, torch.Tensor]:
         """New rows, one per prompt, through one forward over the tails laid end to end in a
-        single row (no padding computed): the distinct known openings first, then the tails; the
-        mask lets each tail see its own opening and its own earlier tokens only, and the positions
-        are each prompt's own. The keys and values are then laid out as decoding wants them:
-        rows right-aligned, known opening then tail. Also each row's next-token logits."""
+        single row (no padding computed): the distinct known openings first, then `opening`'s new
+        tokens (an opening several tails share, computed in this same forward), then the tails;
+        the mask lets each segment see its own known columns and its own earlier tokens only, and
+        the positions are each prompt's own. The keys and values are then laid out as decoding
+        wants them: rows right-aligned, known columns then tail. Also each row's next-token logits."""
         device, n = self.device, len(tails)
-        spans = _distinct(hits)  # each opening once, however many tails follow it
+        spans = _distinct([*hits, opening.hit if opening is not None else None])  # each known opening once
         where: dict[tuple[int, int], int] = {}  # (id(prefix), length) -> its first column in the line
         known = 0
         for prefix, length in spans:
             where[(id(prefix), length)] = known
             known += length
-        lengths = [len(t) for t in tails]
-        queries = sum(lengths)
+
+        def cols(hit: Hit | None) -> torch.Tensor:
+            at = where[(id(hit.prefix), hit.length)] if hit is not None else 0
+            return torch.arange(at, at + (hit.length if hit is not None else 0), device=device)
+        segments: list[tuple[list[int], torch.Tensor]] = []  # (tokens computed now, the line columns they see first)
+        shared = cols(None)
+        if opening is not None:  # its followers see its known columns and all of its new ones
+            segments.append((opening.tokens, cols(opening.hit)))
+            shared = torch.cat([segments[0][1], torch.arange(known, known + len(opening.tokens), device=device)])
+        segments += [(tail, shared if opening is not None and opening.follow[r] else cols(hit))
+                     for r, (tail, hit) in enumerate(zip(tails, hits))]
+        queries = sum(len(t) for t, _ in segments)
         total = known + queries
         line = self.rows(1, total + 1, zero=False)  # the column past the end: zeros, for the padding below
         for kv in line.keys + line.values:
@@ -277,31 +303,32 @@ class Stack:
                 new[0, :, at:at + length] = old[0, :, :length]
         mask = torch.zeros(queries, total, dtype=torch.bool, device=device)
         positions = torch.empty(queries, dtype=torch.long, device=device)
-        width = max((h.length if h is not None else 0) + m for h, m in zip(hits, lengths))
+        outs = segments[len(segments) - n:]  # the tails: the rows that come out
+        width = max(len(before) + len(tail) for tail, before in outs)
         gather = torch.full((n, width), total, dtype=torch.long, device=device)  # [row, column] <- line column
-        q = 0
-        for r, (hit, m) in enumerate(zip(hits, lengths)):
-            k = hit.length if hit is not None else 0
-            if hit is not None:
-                at = where[(id(hit.prefix), hit.length)]
-                mask[q:q + m, at:at + k] = True
-                gather[r, width - m - k:width - m] = torch.arange(at, at + k, device=device)
+        q, lasts = 0, []
+        for i, (tail, before) in enumerate(segments):
+            k, m = len(before), len(tail)
+            mask[q:q + m].index_fill_(1, before, True)
             mask[q:q + m, known + q:known + q + m] = torch.ones(m, m, dtype=torch.bool, device=device).tril()
             positions[q:q + m] = torch.arange(k, k + m, device=device)
-            gather[r, width - m:] = torch.arange(known + q, known + q + m, device=device)
+            if i >= len(segments) - n:
+                r = i - (len(segments) - n)
+                gather[r, width - m - k:width - m] = before
+                gather[r, width - m:] = torch.arange(known + q, known + q + m, device=device)
+                lasts.append(q + m - 1)
             q += m
-        ids = torch.tensor([t for tail in tails for t in tail], dtype=torch.long, device=device)
+        ids = torch.tensor([t for tail, _ in segments for t in tail], dtype=torch.long, device=device)
         line.length = known
         hidden = self.run(self.embed(ids[None]), line, positions[None], mask[None, None])
-        lasts = torch.tensor(lengths, device=device).cumsum(0) - 1
         logits = self.head(hidden[0, lasts].unsqueeze(1))
         rows = self.rows(n, width + HEADROOM, zero=False)  # every column below `width` is gathered
         flat = gather.reshape(-1)
         for new, old in zip(rows.keys + rows.values, line.keys + line.values):
             new[:, :, :width] = old[0].index_select(1, flat).view(old.shape[1], n, width, -1).transpose(0, 1)
         rows.mask[:, :width] = gather != total
-        rows.positions = torch.tensor([(h.length if h is not None else 0) + m for h, m in zip(hits, lengths)],
-                                      dtype=torch.long, device=device)
+        rows.positions = torch.tensor([len(before) + len(tail) for tail, before in outs], dtype=torch.long,
+                                      device=device)
         rows.length = width
         return rows, logits
 

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from .torch_layers import Rows, Stack
+from .torch_layers import Opening, Rows, Stack
 
 PREFIX_TOKENS = 2048  # tokens the cache holds at most, all entries together (0: no cache)
 SHARE_MIN = 16  # prompt tokens a separate forward for a common opening must save (its own pass over the weights)
@@ -76,11 +76,12 @@ class PrefixCache:
             self._entries.move_to_end(best.prefix.tokens)
         return best
 
-    def count(self, hit: Hit | None) -> None:
-        """A prefill used `hit` (statistics only: a lookup for the shared opening is not a hit)."""
-        if hit is not None:
+    def count(self, tokens: int) -> None:
+        """A prompt's first `tokens` tokens were not computed for it (statistics only: a lookup
+        for the shared opening is not a hit)."""
+        if tokens:
             self.hits += 1
-            self.hit_tokens += hit.length
+            self.hit_tokens += tokens
 
     def keep(self, tokens: Sequence[int], rows: Rows, row: int) -> None:
         """Keep row `row` of `rows` (all its columns, which hold exactly `tokens`) as an entry.
@@ -139,6 +140,10 @@ class Prefill:
                 hit = cache.find(prompts[0], shared)
                 done = hit.length if hit is not None else 0
                 if (len(prompts) - 1) * (shared - done) >= SHARE_MIN:
+                    hits = [cache.find(p, len(p) - 1) for p in prompts]
+                    follow = [h is None or h.length < shared for h in hits]  # the rest hold more of theirs
+                    if self._merge_pays(prompts, hits, follow, shared, done):
+                        return self._merged(prompts, hits, Opening(prompts[0][done:shared], hit, follow), shared)
                     opening = prompts[0][:shared]
                     rows, _ = stack.fill(stack.embed_padded([opening[done:]]), [shared - done], [hit])
                     cache.keep(opening, rows, 0)
@@ -146,10 +151,40 @@ class Prefill:
                     self.computed += shared - done
             hits = [cache.find(p, len(p) - 1) for p in prompts]
             for h in hits:
-                cache.count(h)
+                cache.count(h.length if h is not None else 0)
         self.forwards += 1
         self.computed += sum(len(p) - (h.length if h is not None else 0) for p, h in zip(prompts, hits))
         return stack.prefill_many(prompts, hits)
+
+    def _merge_pays(self, prompts: list[list[int]], hits: list[Hit | None], follow: list[bool], shared: int,
+                    done: int) -> bool:
+        """Whether computing the common opening in the tails' own forward (every query then meets
+        every key of the burst) costs less than a forward of its own first (one more pass over the
+        weights, worth SHARE_MIN tokens) and the tails after it."""
+        cost, opening = self.stack.cost, shared - done
+        tails = [len(p) - (shared if f else h.length if h is not None else 0) for p, h, f in zip(prompts, hits, follow)]
+        known = done + sum(h.length for h, f in zip(hits, follow) if h is not None and not f)
+        queries = opening + sum(tails)
+        merged = cost(queries, queries * (known + queries))
+        width, after = max(tails), sum(tails)
+        separate = cost(opening + SHARE_MIN, opening * shared) + min(
+            cost(after, after * (after + known + opening)), cost(len(tails) * width, len(tails) * width * (
+                max([shared, *(h.length for h in hits if h is not None)]) + width)))
+        return merged < separate
+
+    def _merged(self, prompts: list[list[int]], hits: list[Hit | None], opening: Opening,
+                shared: int) -> tuple[Rows, torch.Tensor]:
+        """One forward for the opening and the tails after it (and after what the cache holds of
+        the prompts that do not follow it). The prompts' entries, kept once their first tokens are
+        out, serve the opening from then on."""
+        assert self.cache is not None
+        tails = [p[shared:] if f else p[h.length:] if h is not None else p for p, h, f in zip(prompts, hits, opening.follow)]
+        known: list[Hit | None] = [None if f else h for h, f in zip(hits, opening.follow)]
+        for h, f in zip(hits, opening.follow):  # a follower does not compute the opening again, as with a hit
+            self.cache.count(shared if f else h.length if h is not None else 0)
+        self.forwards += 1
+        self.computed += len(opening.tokens) + sum(map(len, tails))
+        return self.stack.pack(tails, known, opening)
 
     def keep(self, prompts: list[list[int]], rows: Rows) -> None:
         """Keep the prompts that `rows` holds (row i holds prompts[i]) for those that follow."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from agent.backends.torch_layers import Stack
-from agent.backends.torch_prefix import Hit, PrefixCache, common
+from agent.backends.torch_prefix import Hit, Prefill, PrefixCache, common
 from tests.integration.test_torch_worker import Worker, completion, together
 from tests.models import tiny_safetensors
 
@@ -96,6 +96,32 @@ def test_packed_and_padded_prefills_agree(stack: tuple[Stack, Any]) -> None:
         (pad_first, pad_out, pad_last), (pack_first, pack_out, pack_last) = answers
         assert pack_out == pad_out
         assert torch.allclose(pack_first, pad_first, atol=1e-4) and torch.allclose(pack_last, pad_last, atol=1e-4)
+
+
+def test_a_burst_computes_its_common_opening_in_its_own_forward(stack: tuple[Stack, Any]) -> None:
+    """Prompts arriving together that begin alike, nothing cached: the opening and every tail in
+    one forward (Prefill merges them), the greedy answers those of each prompt alone without a
+    cache, and the opening served from the cache to the next burst."""
+    model, tok = stack
+    prompts = [list(tok(OPENING + e)["input_ids"]) for e in ENDINGS]
+    alone = [greedy(model, [p], None, 4)[1][0] for p in prompts]
+    prefill = Prefill(model)
+
+    def burst(ps: list[list[int]]) -> list[list[int]]:
+        with torch.inference_mode():
+            rows, logits = prefill(ps)
+            prefill.keep(ps, rows)
+            out = [[t] for t in logits.argmax(-1).tolist()]
+            for _ in range(4):
+                logits = model.decode(rows, [o[-1] for o in out])
+                for o, t in zip(out, logits.argmax(-1).tolist()):
+                    o.append(t)
+        return out
+    assert burst(prompts) == alone
+    shared = min(common(prompts[0], p) for p in prompts[1:])
+    assert prefill.forwards == 1 and prefill.computed == sum(map(len, prompts)) - (len(prompts) - 1) * shared
+    assert burst(prompts[::-1]) == alone[::-1]  # every prompt now cached but its last token
+    assert prefill.forwards == 2 and prefill.computed == sum(map(len, prompts)) - (len(prompts) - 1) * shared + len(prompts)
 
 
 def test_the_cache_keeps_within_its_cap(stack: tuple[Stack, Any]) -> None:
