@@ -112,9 +112,10 @@ class PrefixCache:
 
 class Prefill:
     """The engine's prefills: one forward over the prompts that arrived together, each after what
-    the cache holds of it. Prompts that begin alike have their common opening prefilled once
-    first, into the cache, so that each then computes only what is its own (8 chat requests: the
-    system prompt once, not 8 times)."""
+    the cache holds of it. Prompts that begin alike have their common opening computed once
+    (8 chat requests: the system prompt once, not 8 times): in the same packed forward as what
+    follows it in each prompt, or, when that costs more (long prompts: packed, every query meets
+    every key), in a forward of its own first, into the cache."""
 
     def __init__(self, stack: Stack, capacity: int = PREFIX_TOKENS) -> None:
         self.stack = stack
