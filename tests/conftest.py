@@ -33,6 +33,15 @@ def root() -> Path:
     return ROOT
 
 
+@pytest.fixture(autouse=True, scope="session")
+def observation_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """plan, apply and observe keep agents' states in FLEET_CACHE_DIR (reconciler/obscache.py):
+    the tests' go to a directory of the session's, not the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLEET_CACHE_DIR", str(tmp_path_factory.mktemp("fleet-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_f32(request: pytest.FixtureRequest) -> Path:
     """SmolLM2-135M-Instruct as float32 safetensors (exact comparisons), converted from the GGUF on
