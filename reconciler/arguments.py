@@ -87,9 +87,21 @@ def _state_dir(p: Parser, what: str) -> None:
                         "a password comes from PGPASSWORD or ~/.pgpass)")
 
 
+def seconds(text: str) -> float:
+    """--timeout's value: seconds > 0, or inf for no limit (nan, 0 and less are usage errors)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:  # also false for nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0 (inf: no limit)")
+    return value
+
+
 def _agents(p: Parser) -> None:
     _file(p)
-    p.add_argument("--timeout", type=float, default=10.0, metavar="S", help="seconds each agent may take to answer")
+    p.add_argument("--timeout", type=seconds, default=10.0, metavar="S",
+                   help="seconds each agent may take to answer (inf: no limit)")
 
 
 def _targets(p: Parser) -> None:
