@@ -13,9 +13,11 @@ both at every cut)."""
 from __future__ import annotations
 
 import errno
+import math
 import os
 import select
 import socket
+import threading
 import time
 from collections import deque
 from typing import Sequence
@@ -28,6 +30,9 @@ from wire.http import HeadTooLarge, MalformedHead, ResponseHead, split_head
 from .agent_errors import AgentProtocolError, NodeUnreachable
 from .model import NodeSpec
 from .transport import ANSWER_LIMIT, READ, AgentRequest
+
+
+POLL_MAX_S = 3600.0  # the longest one wait in epoll, whatever the calls' deadlines
 
 
 class TimedOut(Exception):
@@ -111,13 +116,28 @@ async def exchange_all(requests: Sequence[AgentRequest], *, concurrency: int, ti
     """Each request's answer (status, body) or why there is none, in the requests' order; at most
     `concurrency` connections at a time, each allowed `timeout` seconds from its connect. The
     calls run in a thread of their own blocking in epoll; cancelled, trio lets it go and closing
-    `ours` wakes it to close its sockets and end."""
+    `ours` wakes it to close its sockets and end. `timeout` may be math.inf (no deadline)."""
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"a call's timeout must be a number of seconds >= 0, not {timeout!r}")
     ours, theirs = socket.socketpair()
+    begun = threading.Lock()  # held by whichever comes first: the thread starting, or the caller giving up
+    started = False
+
+    def run() -> list[Result]:
+        nonlocal started
+        with begun:
+            if theirs.fileno() < 0:
+                return []  # given up on before it started
+            started = True
+        return _exchange_all(requests, max(1, concurrency), timeout, theirs)
+
     try:
-        return await trio.to_thread.run_sync(_exchange_all, requests, concurrency, timeout, theirs,
-                                             abandon_on_cancel=True)
+        return await trio.to_thread.run_sync(run, abandon_on_cancel=True)
     finally:
         ours.close()  # the thread's end reads as closed: if it still runs, it stops
+        with begun:
+            if not started:  # cancelled before the thread began (or it never will): its end is ours to close
+                theirs.close()
 
 
 def _exchange_all(requests: Sequence[AgentRequest], concurrency: int, timeout: float,
@@ -138,8 +158,9 @@ def _exchange_all(requests: Sequence[AgentRequest], concurrency: int, timeout: f
     def start(index: int) -> None:
         request = requests[index]
         node = request.node
-        sock = socket.socket(_family(node.address) or socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
-        try:
+        sock: socket.socket | None = None
+        try:  # a socket refused (EMFILE: out of descriptors) is this node's error, not the batch's
+            sock = socket.socket(_family(node.address) or socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
             code = sock.connect_ex((node.address, node.agent_port))
             if code not in (0, errno.EINPROGRESS):
                 raise OSError(code, os.strerror(code))
@@ -151,7 +172,8 @@ def _exchange_all(requests: Sequence[AgentRequest], concurrency: int, timeout: f
             call = _Call(index, sock, data, node, time.monotonic() + timeout)
             poller.register(sock.fileno(), select.EPOLLOUT if data else select.EPOLLIN)
         except OSError as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
             results[index] = exc
             return
         calls[sock.fileno()] = call
@@ -190,7 +212,8 @@ def _exchange_all(requests: Sequence[AgentRequest], concurrency: int, timeout: f
                     finish(call, TimedOut())
             if not calls:
                 continue
-            for fd, events in poller.poll(started[0].deadline - now):
+            # Capped: epoll takes at most ~2**31 ms, and an infinite timeout has no deadline at all.
+            for fd, events in poller.poll(min(started[0].deadline - now, POLL_MAX_S)):
                 if fd in calls:
                     ready(calls[fd], events)
                 elif fd == stopped:

@@ -6,7 +6,12 @@ cancelled batch ends its thread and its connections."""
 from __future__ import annotations
 
 import functools
+import math
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -151,3 +156,91 @@ def test_a_cancelled_batch_ends_its_connections() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def silent_listener() -> socket.socket:
+    """A listener that never accepts: a connection to it is made by the kernel, and never answered."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 3e6])
+def test_a_timeout_past_what_epoll_takes_waits_until_cancelled(timeout: float) -> None:
+    """`fleet plan --timeout inf`: no deadline; epoll cannot wait that long in one call (OverflowError)."""
+    with silent_listener() as lst:
+        node = NodeSpec(name="n", address="127.0.0.1", agent_port=lst.getsockname()[1])
+
+        async def main() -> None:
+            with trio.move_on_after(0.3) as scope:
+                await exchange_all([AgentRequest("GET", node, "/v1/state")], concurrency=4, timeout=timeout)
+            assert scope.cancelled_caught
+
+        trio.run(main)
+
+
+def test_a_timeout_that_is_not_a_duration_is_refused() -> None:
+    for timeout in (math.nan, -1.0):
+        with pytest.raises(ValueError):
+            trio.run(functools.partial(exchange_all, [], concurrency=1, timeout=timeout))
+
+
+def test_no_concurrency_still_asks_one_at_a_time() -> None:
+    with silent_listener() as lst:
+        node = NodeSpec(name="n", address="127.0.0.1", agent_port=lst.getsockname()[1])
+
+        async def main() -> None:
+            with trio.fail_after(5):
+                results = await exchange_all([AgentRequest("GET", node, "/v1/state")] * 2, concurrency=0, timeout=0.05)
+            assert all(isinstance(r, TimedOut) for r in results) and len(results) == 2
+
+        trio.run(main)
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_batch_cancelled_before_it_began_closes_its_sockets() -> None:
+    async def main() -> None:
+        await trio.sleep(0)
+        before = open_descriptors()
+        for _ in range(20):
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await exchange_all([AgentRequest("GET", NODE, "/v1/state")], concurrency=4, timeout=1)
+        assert open_descriptors() == before
+
+    trio.run(main)
+
+
+OUT_OF_DESCRIPTORS = """
+import os, resource, sys, trio
+from reconciler.burst import exchange_all
+from reconciler.model import NodeSpec
+from reconciler.transport import AgentRequest
+async def main():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    for fd in held[-3:]:  # room for the batch's socket pair and its epoll, none for a connection
+        os.close(fd)
+    node = NodeSpec(name="n", address="127.0.0.1", agent_port=9)
+    results = await exchange_all([AgentRequest("GET", node, "/v1/state")] * 2, concurrency=4, timeout=1)
+    print([getattr(r, "errno", None) == errno.EMFILE for r in results])
+import errno
+trio.run(main)
+"""
+
+
+def test_out_of_descriptors_is_each_nodes_error_not_the_batchs() -> None:
+    done = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[True, True]"
