@@ -129,10 +129,20 @@ async def _connect(base: str, ssl_context: ssl.SSLContext | None,
 
 
 def _tls_error(exc: BaseException | None) -> ssl.SSLError | None:
-    """The TLS error under a failed handshake (trio raises BrokenResourceError from it), if any."""
+    """The TLS error under a failed handshake (trio raises BrokenResourceError from it) when asking
+    again meets it again: the peer's certificate, or a peer that does not speak TLS (or no version
+    we do). None for the rest: a peer that closes mid-handshake (SSLEOFError: restarting,
+    overloaded) or a connection that broke is worth asking again."""
     while exc is not None and not isinstance(exc, ssl.SSLError):
         exc = exc.__cause__ or exc.__context__
-    return exc
+    if isinstance(exc, ssl.SSLCertVerificationError) or (
+            type(exc) is ssl.SSLError and exc.reason in _TLS_MISMATCH):
+        return exc
+    return None
+
+
+_TLS_MISMATCH = frozenset({"WRONG_VERSION_NUMBER", "UNSUPPORTED_PROTOCOL", "TLSV1_ALERT_PROTOCOL_VERSION",
+                           "NO_PROTOCOLS_AVAILABLE", "VERSION_TOO_LOW", "VERSION_TOO_HIGH"})
 
 
 async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | bytearray | memoryview], None], *,
