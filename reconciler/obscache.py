@@ -6,7 +6,9 @@ carries (wire/live.py); any other answer replaces it.
 
 The file is the user's own (0600 in a 0700 directory), written whole under a new name and renamed,
 with a checksum; one that is not ours, not only the user's, or does not check is ignored with a
-warning and rewritten. It holds no workers' credentials (ObservedNode.state never does)."""
+warning and rewritten. The states held were checked against the agent-state schema when they were
+written, and are not again: the file names the fleet version and the schema it was written under,
+and is ignored under any other. It holds no workers' credentials (ObservedNode.state never does)."""
 
 from __future__ import annotations
 
@@ -21,17 +23,23 @@ from typing import Any, Callable, Mapping
 
 import platformdirs
 
+from . import __version__
 from .model import Desired, NodeSpec
 from .observed import Observed, ObservedNode, node_from_state
+from .schema import schema_path
 
 DIR_ENV = "FLEET_CACHE_DIR"  # the cache directory (default: the user's cache directory for fleet)
 OFF_ENV = "FLEET_OBSERVE_CACHE"  # "off": no cache is read or written
 MAGIC = b"fleet observed-states cache 1\n"
-# marshal's format is the interpreter's: a cache another Python wrote is not read, only rewritten.
-TAG = f"{sys.implementation.cache_tag} marshal {marshal.version}\n".encode()
+# marshal's format is the interpreter's, and the states' shape is this fleet's and this schema's: a
+# cache written under any other is not read, only rewritten.
+_SCHEMA = hashlib.sha256(schema_path("agent-state.schema.json").read_bytes()).hexdigest()[:16]
+TAG = f"{sys.implementation.cache_tag} marshal {marshal.version} fleet {__version__} state {_SCHEMA}\n".encode()
+IGNORED = "observed_cache_ignored"  # the stable codes of the cache's warnings
+NOT_KEPT = "observed_cache_not_kept"
 MAX_BYTES = 256 << 20  # a fleet's states past this are not kept (the next run asks for all of them whole)
 
-Warn = Callable[[str], None]
+Warn = Callable[[str], None]  # takes "[code] message"
 Entry = tuple[str, dict[str, Any]]  # (where the agent was asked: "ADDRESS:PORT tls|plain", its state)
 
 
@@ -61,14 +69,24 @@ class ObservationCache:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, EOFError, TypeError) as exc:
-            self.warn(f"the cache of observed states {self.path} is ignored ({exc}); every state is asked for whole")
+            self._ignored(str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc))
             return {}
         held = {}
-        for name, spec in desired.nodes.items():
-            entry = entries.get(name)
-            if entry is not None and entry[0] == _where(spec):
-                held[name] = node_from_state(name, entry[1])
+        name = ""
+        try:
+            for name, spec in desired.nodes.items():
+                entry = entries.get(name)
+                if entry is not None and entry[0] == _where(spec):
+                    held[name] = node_from_state(name, entry[1])
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            # Only another fleet's states could fail here (the tag says whose they are): none is used.
+            self._ignored(f"the state held for {name!r} does not parse: {type(exc).__name__} {exc}")
+            return {}
         return held
+
+    def _ignored(self, why: str) -> None:
+        self.warn(f"[{IGNORED}] the cache of observed states {self.path} is ignored ({why}); every state is "
+                  "asked for whole")
 
     def _read(self) -> Mapping[str, Entry]:
         with open(self.path, "rb") as f:
@@ -85,7 +103,7 @@ class ObservationCache:
         if magic != MAGIC:
             raise ValueError("it is not a cache of fleet's")
         if tag != TAG:
-            raise ValueError("another Python wrote it")
+            raise ValueError("another Python or another fleet version wrote it")
         payload = data[len(MAGIC) + len(TAG) + 65:]
         if hashlib.sha256(payload).hexdigest().encode() + b"\n" != digest:
             raise ValueError("its checksum does not match: it is damaged")
@@ -105,7 +123,7 @@ class ObservationCache:
             return  # the file already holds these states (their moving values aside, which a 304 brings)
         payload = marshal.dumps(entries)
         if len(payload) > MAX_BYTES:
-            self.warn(f"the observed states are {len(payload) >> 20} MiB, more than the cache keeps "
+            self.warn(f"[{NOT_KEPT}] the observed states are {len(payload) >> 20} MiB, more than the cache keeps "
                       f"({MAX_BYTES >> 20} MiB): the next run asks for every state whole")
             payload = marshal.dumps({})
         data = MAGIC + TAG + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
@@ -120,8 +138,9 @@ class ObservationCache:
             except BaseException:
                 temp.unlink(missing_ok=True)
                 raise
-        except OSError as exc:
-            self.warn(f"cannot keep the observed states in {self.path} ({exc.strerror or exc}); "
+        except (OSError, ValueError) as exc:
+            self.warn(f"[{NOT_KEPT}] cannot keep the observed states in {self.path} "
+                      f"({exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}); "
                       "the next run asks for every state whole")
 
 

@@ -1,0 +1,50 @@
+"""The cache file of observed states (reconciler/obscache.py) where it is not what fleet wrote: a
+version or schema of another fleet's, states that do not parse. Each is ignored with a warning that
+carries a stable code; none crashes a plan."""
+
+from __future__ import annotations
+
+import hashlib
+import marshal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reconciler import __version__, obscache
+from reconciler.model import ControlPlaneSpec, Desired, NodeSpec
+from reconciler.obscache import ObservationCache
+from reconciler.schema import schema_path
+
+NODE = NodeSpec(name="n", address="127.0.0.1", agent_port=7070)
+DESIRED = Desired(1, ControlPlaneSpec("n"), {"n": NODE}, {}, (), {})
+
+
+def cache_in(directory: Path, warnings: list[str]) -> ObservationCache:
+    directory.mkdir(mode=0o700, exist_ok=True)
+    return ObservationCache(directory / "k.bin", warnings.append)
+
+
+def written(path: Path, entries: dict[str, Any]) -> None:
+    """A file as fleet writes it (this Python, this fleet, this schema) around these entries."""
+    payload = marshal.dumps(entries)
+    path.write_bytes(obscache.MAGIC + obscache.TAG + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+    path.chmod(0o600)
+
+
+def test_the_tag_names_the_fleet_version_and_the_state_schema() -> None:
+    schema = hashlib.sha256(schema_path("agent-state.schema.json").read_bytes()).hexdigest()[:16]
+    assert f"fleet {__version__} ".encode() in obscache.TAG and schema.encode() in obscache.TAG
+
+
+@pytest.mark.parametrize("state", [
+    {"generation": "g", "weights": [{}]},  # a weights entry without its digest
+    {"generation": "g", "inventory": []},
+    {"generation": "g", "servers": [{"port": "x"}]},
+], ids=["weights-without-digest", "inventory-a-list", "server-without-id"])
+def test_states_that_do_not_parse_are_ignored_with_a_warning(tmp_path: Path, state: dict[str, Any]) -> None:
+    warnings: list[str] = []
+    cache = cache_in(tmp_path / "observed", warnings)
+    written(cache.path, {"n": ("127.0.0.1:7070 plain", state)})
+    assert cache.load(DESIRED) == {}
+    assert len(warnings) == 1 and warnings[0].startswith(f"[{obscache.IGNORED}]") and "'n'" in warnings[0]
