@@ -6,9 +6,11 @@ carries (wire/live.py); any other answer replaces it.
 
 The file is the user's own (0600 in a 0700 directory), written whole under a new name and renamed,
 with a checksum; one that is not ours, not only the user's, or does not check is ignored with a
-warning and rewritten. The states held were checked against the agent-state schema when they were
-written, and are not again: the file names the fleet version and the schema it was written under,
-and is ignored under any other. It holds no workers' credentials (ObservedNode.state never does)."""
+warning and rewritten. A directory that is not the user's alone is neither read nor written: anyone
+who can write there can put a link or a FIFO in the file's place (its name is predictable). The
+states held were checked against the agent-state schema when they were written, and are not again:
+the file names the fleet version and the schema it was written under, and is ignored under any
+other. It holds no workers' credentials (ObservedNode.state never does)."""
 
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ class ObservationCache:
         """The nodes held for this fleet's nodes, each at the address it has now; {} when there is
         no cache, or one that cannot be used (with a warning)."""
         try:
+            _private_directory(self.path.parent)
             entries = self._read()
         except FileNotFoundError:
             return {}
@@ -89,7 +92,9 @@ class ObservationCache:
                   "asked for whole")
 
     def _read(self) -> Mapping[str, Entry]:
-        with open(self.path, "rb") as f:
+        # O_NOFOLLOW: not a link's target; O_NONBLOCK: a FIFO in its place does not hang the open.
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
             info = os.fstat(f.fileno())
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
                 raise ValueError("it is not a file of this user's")
@@ -130,6 +135,7 @@ class ObservationCache:
         temp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _private_directory(self.path.parent)
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -142,6 +148,15 @@ class ObservationCache:
             self.warn(f"[{NOT_KEPT}] cannot keep the observed states in {self.path} "
                       f"({exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}); "
                       "the next run asks for every state whole")
+
+
+def _private_directory(path: Path) -> None:
+    """Raises ValueError unless the directory is this user's and nobody else may write in it."""
+    info = os.stat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise ValueError(f"its directory {path} is not this user's")
+    if info.st_mode & 0o022:
+        raise ValueError(f"others may write in its directory {path} (mode {stat.S_IMODE(info.st_mode):o})")
 
 
 def _entry(name: object, value: object) -> bool:

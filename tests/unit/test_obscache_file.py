@@ -1,11 +1,14 @@
 """The cache file of observed states (reconciler/obscache.py) where it is not what fleet wrote: a
-version or schema of another fleet's, states that do not parse. Each is ignored with a warning that
-carries a stable code; none crashes a plan."""
+version or schema of another fleet's, states that do not parse, a link or a FIFO in its place, a
+directory others may write in. Each is ignored with a warning that carries a stable code; none
+hangs or crashes a plan."""
 
 from __future__ import annotations
 
 import hashlib
 import marshal
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +17,12 @@ import pytest
 from reconciler import __version__, obscache
 from reconciler.model import ControlPlaneSpec, Desired, NodeSpec
 from reconciler.obscache import ObservationCache
+from reconciler.observed import Observed, node_from_state
 from reconciler.schema import schema_path
 
 NODE = NodeSpec(name="n", address="127.0.0.1", agent_port=7070)
 DESIRED = Desired(1, ControlPlaneSpec("n"), {"n": NODE}, {}, (), {})
+SEEN = Observed({"n": node_from_state("n", {"generation": "g" * 32})})
 
 
 def cache_in(directory: Path, warnings: list[str]) -> ObservationCache:
@@ -48,3 +53,38 @@ def test_states_that_do_not_parse_are_ignored_with_a_warning(tmp_path: Path, sta
     written(cache.path, {"n": ("127.0.0.1:7070 plain", state)})
     assert cache.load(DESIRED) == {}
     assert len(warnings) == 1 and warnings[0].startswith(f"[{obscache.IGNORED}]") and "'n'" in warnings[0]
+
+
+def test_a_fifo_in_the_files_place_does_not_hang_the_load(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    cache = cache_in(tmp_path / "observed", warnings)
+    os.mkfifo(cache.path, 0o600)
+    loaded: list[object] = []
+    reader = threading.Thread(target=lambda: loaded.append(cache.load(DESIRED)), daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # let it go: a writer on the FIFO ends the open it hangs in
+        os.close(os.open(cache.path, os.O_WRONLY | os.O_NONBLOCK))
+    assert loaded == [{}] and "not a file of this user's" in warnings[0]
+
+
+def test_a_link_in_the_files_place_is_not_followed(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    cache = cache_in(tmp_path / "observed", warnings)
+    elsewhere = tmp_path / "elsewhere.bin"
+    written(elsewhere, {"n": ("127.0.0.1:7070 plain", {"generation": "g"})})
+    cache.path.symlink_to(elsewhere)
+    assert cache.load(DESIRED) == {} and len(warnings) == 1 and warnings[0].startswith(f"[{obscache.IGNORED}]")
+
+
+def test_a_directory_others_may_write_in_is_neither_read_nor_written(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    cache = cache_in(tmp_path / "observed", warnings)
+    cache.save(DESIRED, SEEN)
+    assert cache.load(DESIRED) and not warnings
+    cache.path.parent.chmod(0o777)  # as a shared FLEET_CACHE_DIR's observed/ made by someone else might be
+    assert cache.load(DESIRED) == {} and "others may write in its directory" in warnings[0]
+    before = cache.path.read_bytes()
+    cache.save(DESIRED, Observed({"n": node_from_state("n", {"generation": "h" * 32})}))
+    assert cache.path.read_bytes() == before
+    assert warnings[1].startswith(f"[{obscache.NOT_KEPT}]") and "others may write in its directory" in warnings[1]
