@@ -19,6 +19,7 @@ import marshal
 import os
 import stat
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -31,7 +32,8 @@ from .observed import Observed, ObservedNode, node_from_state
 from .schema import schema_path
 
 DIR_ENV = "FLEET_CACHE_DIR"  # the cache directory (default: the user's cache directory for fleet)
-OFF_ENV = "FLEET_OBSERVE_CACHE"  # "off": no cache is read or written
+OFF_ENV = "FLEET_OBSERVE_CACHE"  # off (or 0, false, no): no cache is read or written
+OFF = frozenset({"off", "0", "false", "no"})
 MAGIC = b"fleet observed-states cache 1\n"
 # marshal's format is the interpreter's, and the states' shape is this fleet's and this schema's: a
 # cache written under any other is not read, only rewritten.
@@ -57,7 +59,7 @@ class ObservationCache:
     @classmethod
     def for_file(cls, fleet_file: str | Path, warn: Warn) -> ObservationCache | None:
         """The cache of this fleet file (by its absolute path); None when FLEET_OBSERVE_CACHE=off."""
-        if os.environ.get(OFF_ENV, "").lower() == "off":
+        if os.environ.get(OFF_ENV, "").strip().lower() in OFF:
             return None
         base = Path(os.environ.get(DIR_ENV) or platformdirs.user_cache_dir("fleet"))
         key = hashlib.sha256(str(Path(fleet_file).absolute()).encode()).hexdigest()[:24]
@@ -132,17 +134,17 @@ class ObservationCache:
                       f"({MAX_BYTES >> 20} MiB): the next run asks for every state whole")
             payload = marshal.dumps({})
         data = MAGIC + TAG + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
-        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             _private_directory(self.path.parent)
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            # A name of its own (mkstemp: 0600, O_EXCL): one a killed run left behind is not in the way.
+            fd, temp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                 os.replace(temp, self.path)
             except BaseException:
-                temp.unlink(missing_ok=True)
+                Path(temp).unlink(missing_ok=True)
                 raise
         except (OSError, ValueError) as exc:
             self.warn(f"[{NOT_KEPT}] cannot keep the observed states in {self.path} "

@@ -1,7 +1,7 @@
 """The cache file of observed states (reconciler/obscache.py) where it is not what fleet wrote: a
 version or schema of another fleet's, states that do not parse, a link or a FIFO in its place, a
-directory others may write in. Each is ignored with a warning that carries a stable code; none
-hangs or crashes a plan."""
+directory others may write in, a temporary file a killed run left. Each is ignored with a warning
+that carries a stable code, or written past; none hangs or crashes a plan."""
 
 from __future__ import annotations
 
@@ -88,3 +88,17 @@ def test_a_directory_others_may_write_in_is_neither_read_nor_written(tmp_path: P
     cache.save(DESIRED, Observed({"n": node_from_state("n", {"generation": "h" * 32})}))
     assert cache.path.read_bytes() == before
     assert warnings[1].startswith(f"[{obscache.NOT_KEPT}]") and "others may write in its directory" in warnings[1]
+
+
+def test_a_temporary_file_a_killed_run_left_is_not_in_the_way(tmp_path: Path) -> None:
+    warnings: list[str] = []
+    cache = cache_in(tmp_path / "observed", warnings)
+    (cache.path.parent / f".{cache.path.name}.{os.getpid()}").write_bytes(b"half")  # the same pid, later
+    cache.save(DESIRED, SEEN)
+    assert not warnings and cache.load(DESIRED)["n"].generation == "g" * 32
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", "0", "false", "no", " off "])
+def test_the_cache_is_turned_off_by_any_usual_no(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(obscache.OFF_ENV, value)
+    assert ObservationCache.for_file(tmp_path / "fleet.yaml", print) is None
