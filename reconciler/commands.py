@@ -57,10 +57,11 @@ def _secret() -> str:
 async def _observe(desired: Desired, timeout: float, secret: str, cache: ObservationCache | None = None) -> Observed:
     """Every agent asked; with a cache, those whose state it holds asked for news only (obscache.py)."""
     held = cache.load(desired) if cache is not None else {}
+    bare: set[str] = set()  # agents from before fleet-live: asked plainly from the next run on
     async with AgentClient(secret, timeout=timeout) as client:
-        seen = await observe(desired, client, timeout=timeout, held=held, bring_up=True)
+        seen = await observe(desired, client, timeout=timeout, held=held, bring_up=True, bare=bare)
     if cache is not None:
-        cache.save(desired, seen, held)
+        cache.save(desired, seen, held, bare)
     return seen
 
 

@@ -20,9 +20,9 @@ import os
 import stat
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import platformdirs
 
@@ -44,7 +44,8 @@ NOT_KEPT = "observed_cache_not_kept"
 MAX_BYTES = 256 << 20  # a fleet's states past this are not kept (the next run asks for all of them whole)
 
 Warn = Callable[[str], None]  # takes "[code] message"
-Entry = tuple[str, dict[str, Any]]  # (where the agent was asked: "ADDRESS:PORT tls|plain", its state)
+# (where the agent was asked: "ADDRESS:PORT tls|plain", its state[, True: its agent is asked plainly])
+Entry = tuple[str, dict[str, Any]] | tuple[str, dict[str, Any], bool]
 
 
 def _where(spec: NodeSpec) -> str:
@@ -55,6 +56,10 @@ def _where(spec: NodeSpec) -> str:
 class ObservationCache:
     path: Path
     warn: Warn
+    # Nodes whose agent confirms a generation with a bare 304 (from before fleet-live: the state is
+    # asked for again whole), as load() found them: name -> (agent version, generation). They are
+    # not held, so asked once, plainly; save() keeps them so while their agent's version stays.
+    plain: dict[str, tuple[str, str]] = field(default_factory=dict, compare=False)
 
     @classmethod
     def for_file(cls, fleet_file: str | Path, warn: Warn) -> ObservationCache | None:
@@ -67,7 +72,8 @@ class ObservationCache:
 
     def load(self, desired: Desired) -> dict[str, ObservedNode]:
         """The nodes held for this fleet's nodes, each at the address it has now; {} when there is
-        no cache, or one that cannot be used (with a warning)."""
+        no cache, or one that cannot be used (with a warning). Those asked plainly go into `plain`."""
+        self.plain.clear()
         try:
             _private_directory(self.path.parent)
             entries = self._read()
@@ -82,10 +88,14 @@ class ObservationCache:
             for name, spec in desired.nodes.items():
                 entry = entries.get(name)
                 if entry is not None and entry[0] == _where(spec):
-                    held[name] = node_from_state(name, entry[1])
+                    if len(entry) == 3:
+                        self.plain[name] = (str(entry[1].get("agent_version", "")), entry[1]["generation"])
+                    else:
+                        held[name] = node_from_state(name, entry[1])
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             # Only another fleet's states could fail here (the tag says whose they are): none is used.
             self._ignored(f"the state held for {name!r} does not parse: {type(exc).__name__} {exc}")
+            self.plain.clear()
             return {}
         return held
 
@@ -119,14 +129,24 @@ class ObservationCache:
             raise ValueError("its entries are not states")
         return entries
 
-    def save(self, desired: Desired, observed: Observed, held: Mapping[str, ObservedNode] | None = None) -> None:
+    def save(self, desired: Desired, observed: Observed, held: Mapping[str, ObservedNode] | None = None,
+             bare: Collection[str] = ()) -> None:
         """Keep the states observed now (the nodes that answered), in place of what was kept;
-        nothing is written when they are the generations `held` (what load() gave), all of them."""
-        entries = {name: (_where(desired.nodes[name]), node.state) for name, node in observed.nodes.items()
-                   if node.ok and node.state is not None and isinstance(node.state.get("generation"), str)
-                   and name in desired.nodes}
-        if held is not None and entries.keys() == held.keys() and all(
-                entries[name][1].get("generation") == node.generation for name, node in held.items()):
+        nothing is written when they are the generations `held` (what load() gave) and `plain`, all
+        of them. `bare`: nodes whose agent answered a bare 304 (observe()'s), asked plainly from now on."""
+        entries: dict[str, Entry] = {}
+        for name, node in observed.nodes.items():
+            state = node.state
+            if node.ok and state is not None and isinstance(state.get("generation"), str) and name in desired.nodes:
+                was = self.plain.get(name)
+                if name in bare or (was is not None and was[0] == state.get("agent_version", "")):
+                    entries[name] = (_where(desired.nodes[name]), state, True)
+                else:
+                    entries[name] = (_where(desired.nodes[name]), state)
+        if held is not None and {n for n, e in entries.items() if len(e) == 2} == held.keys() and all(
+                entries[name][1].get("generation") == node.generation for name, node in held.items()) and {
+                n for n, e in entries.items() if len(e) == 3} == self.plain.keys() and all(
+                entries[name][1].get("generation") == generation for name, (_, generation) in self.plain.items()):
             return  # the file already holds these states (their moving values aside, which a 304 brings)
         payload = marshal.dumps(entries)
         if len(payload) > MAX_BYTES:
@@ -162,5 +182,6 @@ def _private_directory(path: Path) -> None:
 
 
 def _entry(name: object, value: object) -> bool:
-    return (isinstance(name, str) and isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
-            and isinstance(value[1], dict) and isinstance(value[1].get("generation"), str))
+    return (isinstance(name, str) and isinstance(value, tuple) and len(value) in (2, 3) and isinstance(value[0], str)
+            and isinstance(value[1], dict) and isinstance(value[1].get("generation"), str)
+            and value[2:] in ((), (True,)))

@@ -34,11 +34,14 @@ class Observer(Protocol):
 async def observe(desired: Desired, client: AgentClient, *, concurrency: int = DEFAULT_CONCURRENCY,
                   timeout: float = DEFAULT_TIMEOUT_S, held: Mapping[str, ObservedNode] | None = None,
                   manifests: dict[str, dict[str, Any]] | None = None,
-                  only: Collection[str] | None = None, bring_up: bool = False) -> Observed:
+                  only: Collection[str] | None = None, bring_up: bool = False,
+                  bare: set[str] | None = None) -> Observed:
     """`held`: nodes from an earlier observation, asked for news only (kept as they are when their
     agent says unchanged; with `bring_up`, brought up to now with the moving values its 304 carries,
     and asked for whole when it carries none); `manifests`: full manifests already fetched, by
-    digest, added to."""
+    digest, added to; `bare`: the names of nodes whose agent confirmed a generation with a 304 that
+    carried no moving values (an agent from before fleet-live), added to: holding their states costs
+    a second request each time (obscache.py asks them plainly)."""
     nodes: dict[str, ObservedNode] = {}
     known = held or {}
     asked = [n for n in desired.nodes if only is None or n in only]
@@ -62,6 +65,8 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
             before = known[name]
             now = brought_up(before, answer.live) if bring_up else before
             if now is None:
+                if bare is not None:
+                    bare.add(name)
                 return False
             nodes[name] = now
         elif isinstance(answer, TimedOut):

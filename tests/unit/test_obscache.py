@@ -274,3 +274,44 @@ def test_a_server_or_a_model_more_or_less_is_another_generation() -> None:
         fewer = {**RICH, key: []}
         more = {**RICH, key: RICH[key] * 2}
         assert len({generation(RICH), generation(fewer), generation(more)}) == 3, key  # type: ignore[arg-type]
+
+
+def test_an_agent_from_before_fleet_live_is_asked_plainly_from_the_next_run_on(tmp_path: Path) -> None:
+    """Its bare 304 confirms nothing usable (the state is asked for again whole): two requests per
+    warm run. After one, the cache asks it plainly, one request a run, while its version stays."""
+    agent = Agent(tmp_path / "agent")
+
+    async def old_agent(request: bytes) -> bytes:
+        head, _, body = (await agent.answer(request)).partition(b"\r\n\r\n")
+        lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"fleet-live:")]
+        return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+    warnings: list[str] = []
+    cache = ObservationCache(tmp_path / "c" / "f.bin", warnings.append)
+
+    def plan() -> list[tuple[bool, int]]:
+        """One run as fleet plan makes it (commands._observe): each request (asked about a
+        generation?) and its status."""
+        before = len(agent.asked)
+        held = cache.load(DESIRED)
+        bare: set[str] = set()
+
+        async def go() -> Observed:
+            async with AgentClient(SECRET, transport=MemoryTransport(old_agent)) as client:
+                return await observe(DESIRED, client, held=held, bring_up=True, bare=bare)
+        seen = trio.run(go)
+        assert seen.nodes["n"].ok
+        cache.save(DESIRED, seen, held, bare)
+        return [(b"if-none-match" in r.lower(), s) for r, s in agent.asked[before:]]
+
+    assert plan() == [(False, 200)]
+    generation = cache.load(DESIRED)["n"].generation
+    assert generation and not cache.plain
+    assert plan() == [(True, 304), (False, 200)]
+    inode = os.stat(cache.path).st_ino
+    assert plan() == [(False, 200)] and plan() == [(False, 200)]
+    assert os.stat(cache.path).st_ino == inode and not warnings  # nothing new: not written again
+    assert cache.load(DESIRED) == {} and cache.plain == {"n": ("t", generation)}
+    upgraded = node_from_state("n", {"generation": "h" * 32, "agent_version": "2"})
+    cache.save(DESIRED, Observed({"n": upgraded}), {})
+    assert cache.load(DESIRED) == {"n": upgraded} and not cache.plain  # another version: asked about its generation
