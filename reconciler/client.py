@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import ssl
 from dataclasses import dataclass
 from functools import cache
@@ -29,6 +30,15 @@ from .transport import AgentRequest, SocketTransport, Transport
 
 __all__ = ["AgentClient", "Unchanged", "AgentError", "AgentHTTPError", "AgentProtocolError", "NodeAuthRejected",
            "NodeTlsFailed", "NodeUnreachable", "NotAnAgent"]
+
+
+# What agent/app.generation makes. Anything else (a state from something else, a damaged cache) is
+# not asked about: it would go into the request's head as it is, CR and LF included.
+_GENERATION = re.compile(r"[0-9a-f]{32}")
+
+
+def _askable(unless: str | None) -> str | None:
+    return unless if unless is not None and _GENERATION.fullmatch(unless) else None
 
 
 def _tls_error(exc: BaseException | None) -> ssl.SSLError | None:
@@ -93,7 +103,7 @@ class AgentClient:
                         timeout: float | None) -> tuple[int, bytes]:
         body = json.dumps(json_body).encode() if json_body is not None else None
         timeout = self._timeout if timeout is None else timeout
-        request = AgentRequest(method, node, path, body, self._secret, unless)
+        request = AgentRequest(method, node, path, body, self._secret, _askable(unless))
         try:
             if timeout == math.inf:
                 status, content = await self._transport.exchange(request)
@@ -114,6 +124,7 @@ class AgentClient:
     async def state(self, node: NodeSpec, unless: str | None = None,
                     timeout: float | None = None) -> dict[str, Any] | Unchanged:
         """The node's state, checked against the schema; Unchanged when it is still generation `unless`."""
+        unless = _askable(unless)
         status, content = await self._exchange(node, "GET", "/v1/state", None, unless, timeout)
         return _state(node, status, content, unless)
 
@@ -127,6 +138,7 @@ class AgentClient:
         """state() for many nodes at once (each one that batches(), with its `unless`), on one
         epoll (burst.py): each node's state, Unchanged, the error that stands in for it, or
         TimedOut when it did not answer within `timeout` seconds."""
+        asks = [(node, _askable(unless)) for node, unless in asks]
         requests = [AgentRequest("GET", node, "/v1/state", None, self._secret, unless) for node, unless in asks]
         out: list[dict[str, Any] | Unchanged | AgentError | TimedOut] = []
         for (node, unless), result in zip(asks, await exchange_all(requests, concurrency=concurrency,
