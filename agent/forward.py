@@ -21,7 +21,8 @@ from starlette.types import Receive, Scope, Send
 from .blobs import head_of, parse_range, send_error, send_range, send_unsatisfiable
 
 STALL_S = 30.0  # below the peer client's 60 s idle timeout, so the downstream hears why first
-POLL_S = 0.01
+POLL_S = 0.01  # how often a file that is not there yet is looked for (agent/forward.py _open)
+TICK_S = 0.5  # a waiter looks at its upstream's liveness this often, between wake-ups by the writer
 
 
 class UpstreamEnded(Exception):
@@ -31,30 +32,71 @@ class UpstreamEnded(Exception):
 @dataclass(eq=False)
 class Partial:
     """A file being fetched: where it is, how much of it is verified, whether its fetch still runs.
-    `verified` only grows; the writer publishes it after flushing those bytes to the file."""
+    `verified` only grows; the writer publishes it after flushing those bytes to the file, from any
+    thread, and that wakes the answers waiting for them (it was a poll every 10 ms per answer:
+    a CPU cost that grows with the wall time, on every node of a chain, and up to 10 ms a piece)."""
 
     path: Path
     size: int
     progress: Callable[[], int]  # the upstream job's bytes received: liveness for waits
     node: str = ""
-    verified: int = 0
-    failed: str | None = None
     served: int = 0  # bytes of this file served before it was whole
-    _fh: IO[bytes] | None = field(default=None, repr=False)
+    _verified: int = field(default=0, repr=False)
+    _failed: str | None = field(default=None, repr=False)
+    _waiters: set[trio.Event] = field(default_factory=set, repr=False)
+    _token: trio.lowlevel.TrioToken | None = field(default=None, repr=False)
+
+    @property
+    def verified(self) -> int:
+        return self._verified
+
+    @verified.setter
+    def verified(self, value: int) -> None:
+        self._verified = value
+        self._wake()
+
+    @property
+    def failed(self) -> str | None:
+        return self._failed
+
+    @failed.setter
+    def failed(self, reason: str | None) -> None:
+        self._failed = reason
+        self._wake()
+
+    def _wake(self) -> None:
+        token = self._token
+        if token is None:
+            return
+        for event in list(self._waiters):  # a copy in one step: the event loop's thread may add one
+            try:
+                token.run_sync_soon(event.set)  # from the writer's thread or the loop's own
+            except trio.RunFinishedError:
+                return
 
     async def wait_for(self, pos: int, stall_s: float) -> None:
         """Until byte `pos` is verified; UpstreamEnded if the fetch fails or stalls first."""
         last, since = self.progress(), trio.current_time()
-        while self.verified <= pos:
-            if self.failed is not None:
-                raise UpstreamEnded(f"the fetch on {self.node!r} feeding it failed: {self.failed}")
-            now, seen = trio.current_time(), self.progress()
-            if seen != last:
-                last, since = seen, now
-            elif now - since > stall_s:
-                raise UpstreamEnded(f"node {self.node!r} has verified {self.verified:,} of {self.size:,} bytes of "
-                                    f"{self.path.name} and received nothing for {stall_s:.0f} s")
-            await trio.sleep(POLL_S)
+        self._token = trio.lowlevel.current_trio_token()
+        tick = min(TICK_S, stall_s / 4)
+        while True:
+            woken = trio.Event()
+            self._waiters.add(woken)  # before looking: a value published after the look wakes it
+            try:
+                if self._verified > pos:
+                    return
+                if self._failed is not None:
+                    raise UpstreamEnded(f"the fetch on {self.node!r} feeding it failed: {self._failed}")
+                now, seen = trio.current_time(), self.progress()
+                if seen != last:
+                    last, since = seen, now
+                elif now - since > stall_s:
+                    raise UpstreamEnded(f"node {self.node!r} has verified {self._verified:,} of {self.size:,} "
+                                        f"bytes of {self.path.name} and received nothing for {stall_s:.0f} s")
+                with trio.move_on_after(tick):
+                    await woken.wait()
+            finally:
+                self._waiters.discard(woken)
 
 
 class Partials:
