@@ -3,18 +3,15 @@ two arguments, which is what makes plans testable from files and checkable in CI
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 
-from wire import manifest as mf
 from wire.ids import replica_address, server_address, server_id, split_server_id
-from wire.layers import LayerRange
-from wire.plan_details import (DeleteDetails, ReplaceDetails, ReplicateDetails, RunningServer, ServerSettings,
-                               Speculative, StartDetails, StopDetails)
+from wire.plan_details import (DeleteDetails, ReplaceDetails, RunningServer, ServerSettings, Speculative,
+                               StartDetails, StopDetails)
 from wire.windows import Window, status
 
 from .diagnostics import Diagnostic, error, warning
-from . import fanout
+from . import plan_weights
 from .diffs import settings_diff
 from .model import ClusterSpec, Desired, ModelSpec
 from .node_notes import build_warnings, estimate_replications
@@ -22,23 +19,9 @@ from .observed import Observed, ObservedNode
 from .pipeline_plan import StageInput, group_of, plan_group
 from .plan_order import guard, order, select
 from .plan import Action, Change, Plan
+from .plan_weights import Want, model_bytes
 
 VRAM_HEADROOM = 1.2  # weights plus a fifth for the KV cache and activations: an estimate, said as such
-
-
-@dataclass(frozen=True, slots=True)
-class Want:
-    """A node should hold `digest` (a whole model, or a slice with `layers` of `source_digest`)."""
-
-    model: ModelSpec
-    digest: str
-    bytes: int
-    layers: LayerRange | None = None
-    source_digest: str | None = None
-
-    @property
-    def address_model(self) -> str:
-        return self.model.name if self.layers is None else f"{self.model.name}[{self.layers}]"
 
 
 def plan(desired: Desired, observed: Observed, *, targets: tuple[str, ...] = (),
@@ -68,7 +51,6 @@ class _Planner:
         self.changes: list[Change] = []
         self.diags: list[Diagnostic] = []
         self.ok: dict[str, ObservedNode] = {}
-        self.planned_bytes: dict[str, int] = {}
 
     # ---- nodes ----
 
@@ -89,108 +71,6 @@ class _Planner:
                                         address=f"node.{name}"))
             else:
                 self.ok[name] = obs
-
-    # ---- weights ----
-
-    def wants(self) -> dict[str, dict[str, Want]]:
-        """node → digest → Want, for every replica, every source, every model a member serves."""
-        out: dict[str, dict[str, Want]] = {n: {} for n in self.d.nodes}
-        for m in self.d.models.values():
-            out[m.source][m.digest] = Want(m, m.digest, self.model_bytes(m))
-        for r in self.d.replicas:
-            m = self.d.models[r.model]
-            if r.layers is None:
-                out[r.node][m.digest] = Want(m, m.digest, self.model_bytes(m))
-                continue
-            full = self.o.manifests.get(m.digest)
-            if full is None:
-                self.diags.append(error("source_missing", f"cannot plan layers {r.layers} of {m.name!r} on "
-                                        f"{r.node!r}: no node reported the full model's manifest ({m.digest})",
-                                        f"The source {m.source!r} must hold it.", address=r.address))
-                continue
-            try:
-                sliced = mf.make_slice(full, m.digest, r.layers)
-            except mf.ManifestError as exc:
-                self.diags.append(error("invalid_slice", f"layers {r.layers} of {m.name!r}: {exc}", address=r.address))
-                continue
-            out[r.node][mf.digest_of(sliced)] = Want(m, mf.digest_of(sliced), sum(f["size"] for f in sliced["files"]),
-                                                     r.layers, m.digest)
-        return out
-
-    def model_bytes(self, m: ModelSpec) -> int:
-        for obs in self.o.nodes.values():
-            if m.digest in obs.weights:
-                return obs.weights[m.digest].bytes
-        full = self.o.manifests.get(m.digest)
-        return sum(f["size"] for f in full["files"]) if full else 0
-
-    def replicate(self, wants: dict[str, dict[str, Want]]) -> None:
-        by_digest: dict[str, list[tuple[str, Want]]] = {}
-        for node in self.d.nodes:
-            for digest, want in wants[node].items():
-                obs = self.ok.get(node)
-                if obs is None or (digest in obs.weights and not obs.weights[digest].corrupt):
-                    continue
-                if want.model.encrypted and node != self.cp:
-                    self.diags.append(error(
-                        "encrypted_remote_unsupported",
-                        f"encrypted model {want.model.name!r} cannot be replicated to {node!r}: encrypted weights "
-                        f"never leave the control plane's node ({self.cp!r})",
-                        address=replica_address(want.address_model, node)))
-                    continue
-                by_digest.setdefault(digest, []).append((node, want))
-        for digest, targets in by_digest.items():
-            want = targets[0][1]
-            full = want.source_digest or digest
-            holders = [n for n, obs in self.ok.items() if full in obs.weights and not obs.weights[full].corrupt]
-            holders.sort(key=lambda n: (n != want.model.source, list(self.d.nodes).index(n)))
-            spoiled = [f"{n} ({obs.weights[full].corrupt})" for n, obs in self.ok.items()
-                       if full in obs.weights and obs.weights[full].corrupt]
-            if not holders:
-                for node, w in targets:
-                    summary = (f"the source node {node!r} does not hold {w.model.name!r} ({full}), and no other "
-                               "reachable node does" if node == w.model.source else
-                               f"no reachable node holds {w.model.name!r} ({full}) to replicate to {node!r}")
-                    if spoiled:
-                        summary = (f"no reachable node holds a good copy of {w.model.name!r} ({full}) to replicate to "
-                                   f"{node!r}: the copy on {', '.join(spoiled)} is corrupt")
-                    self.diags.append(error("source_missing", summary,
-                                            f"Import it on {w.model.source!r}: fleet-agent import PATH.",
-                                            address=replica_address(w.address_model, node)))
-                continue
-            # Fan out in chains that forward pieces as they arrive (reconciler/fanout.py): started
-            # together, so nothing waits for another copy to finish.
-            arrange = fanout.spread if want.layers else fanout.chains
-            sources = {s.receiver: s for s in arrange(holders, [n for n, _ in targets])}
-            for node, w in targets:
-                peer, chained = sources[node].peer, sources[node].chained
-                # A chained peer's fetch is a dependency (a targeted plan takes it along), which the
-                # executor starts together with this one (reconciler/execute.py streams_from).
-                deps = (replica_address(w.address_model, peer),) if chained else ()
-                via = " as it arrives there" if chained else ""
-                self.planned_bytes[node] = self.planned_bytes.get(node, 0) + w.bytes
-                details = ReplicateDetails(model=w.model.name, digest=w.digest, format=w.model.format, peer=peer,
-                                           bytes=w.bytes)
-                if w.layers is not None and w.source_digest is not None:
-                    details["layers"], details["source_digest"] = str(w.layers), w.source_digest
-                what = f"copy of layers {w.layers} of {w.model.name}" if w.layers else f"replica of {w.model.name}"
-                bad = self.ok[node].weights.get(w.digest)
-                if bad is not None and bad.corrupt:  # held, but its agent found it corrupt: fetched again
-                    self.changes.append(Change(Action.REPLACE, replica_address(w.address_model, node), node,
-                                               f"{node}'s {what} is corrupt ({bad.corrupt}); fetch {w.bytes:,} "
-                                               f"bytes again from {peer}{via}", deps, details))
-                    continue
-                self.changes.append(Change(Action.REPLICATE, replica_address(w.address_model, node), node,
-                                           f"{node} holds no {what}; fetch {w.bytes:,} bytes from {peer}{via}", deps,
-                                           details))
-        for node, total in self.planned_bytes.items():
-            # What the agent keeps in reserve its fetches never use: it is not free for the plan either.
-            reserve = self.ok[node].disk_reserve
-            free = max(0, self.ok[node].disk_free - reserve)
-            if total > free:
-                kept = f" (less the {reserve:,} its agent keeps in reserve)" if reserve else ""
-                self.diags.append(error("insufficient_disk", f"{node!r} needs {total:,} bytes for the weights "
-                                        f"planned there but has {free:,} free{kept}", address=f"node.{node}"))
 
     # ---- servers ----
 
@@ -337,7 +217,7 @@ class _Planner:
             return
         n = int(settings.get("tensor_parallel") or len(obs.gpus))
         free = sum(sorted((g[1] for g in obs.gpus), reverse=True)[:n])
-        need = int((self.model_bytes(model) if weights_bytes is None else weights_bytes) * VRAM_HEADROOM)
+        need = int((model_bytes(model, self.o) if weights_bytes is None else weights_bytes) * VRAM_HEADROOM)
         if need > free:
             self.diags.append(error("insufficient_vram", f"{model.name!r} needs about {need / 2**30:.1f} GiB of "
                                     f"VRAM on {node!r} (weights + {int((VRAM_HEADROOM - 1) * 100)}% estimated for "
@@ -404,8 +284,8 @@ class _Planner:
 
     def run(self) -> None:
         self.check_nodes()
-        wants = self.wants()
-        self.replicate(wants)
+        wants = plan_weights.wants(self.d, self.o, self.diags)
+        self.changes += plan_weights.replicate(self.d, self.ok, wants, self.diags)
         desired_ids = self.servers(wants)
         self.drift(wants, desired_ids)
         self.windows()
