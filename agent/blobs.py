@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import re
-import select
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 CHUNK = 4 << 20
 SEND_IDLE_S = 60.0  # a peer that reads nothing for this long is cut (as agent/peerhttp.py gives up on one)
+SEND_FLOOR = 1 << 20  # ...and one that takes less than this in that time (a byte a minute would hold on)
 BULK_LOWAT = 4 << 20  # unsent bytes a bulk answer lets the kernel hold before its socket is writable
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)\Z")
 # A position of more digits than this is past the end of any file. Python refuses int() of more
@@ -105,35 +105,29 @@ async def send_body(send: Send, fd: int, start: int, length: int,
 
 async def send_range(scope: Scope, send: Send, fd: int, start: int, length: int,
                      ready: Callable[[int], Awaitable[int]] | None = None,
-                     sending: Callable[[int], None] | None = None) -> None:
+                     sending: Callable[[int], None] | None = None, idle_s: float = SEND_IDLE_S) -> None:
     """The body of a blob answer whose head is sent: with sendfile on the connection's own socket
     where the request allows it (plain HTTP/1.x asking to close the connection after the answer,
-    as agent/peerhttp.py asks), else in ASGI messages (send_body). Same `ready` and `sending`."""
+    as agent/peerhttp.py asks), else in ASGI messages (send_body). Same `ready` and `sending`;
+    `idle_s` is the direct path's window for SEND_FLOOR bytes (send_direct)."""
     sock = _direct_socket(scope)
     if sock is None:
         with bulk_sending(scope):
             await send_body(send, fd, start, length, ready, sending)
         return
-    with sock:
-        try:
+    try:
+        with contextlib.suppress(OSError, AttributeError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, BULK_LOWAT)
-        except (OSError, AttributeError):
-            pass
-        pos, left = start, length
-        try:
-            while left:
-                n = left if ready is None else min(left, await ready(pos) - pos)
-                if sending is not None:
-                    sending(n)
-                await trio.to_thread.run_sync(_sendfile, sock, fd, pos, n, abandon_on_cancel=True)
-                pos, left = pos + n, left - n
-        except (BrokenPipeError, ConnectionResetError, TimeoutError):
-            return  # the peer went away or stopped reading: it resumes from what it verified
-        finally:
-            # The server never saw this body: the answer ends with the connection, as the request
-            # asked. A cut answer (UpstreamEnded, an error) ends it early, as a cut ASGI body does.
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        await send_direct(sock, fd, start, length, ready, sending, idle_s)
+    except (BrokenPipeError, ConnectionResetError, TimeoutError):
+        return  # the peer went away or stopped reading: it resumes from what it verified
+    finally:
+        # The server never saw this body: the answer ends with the connection, as the request
+        # asked. A cut answer (UpstreamEnded, an error) ends it early, as a cut ASGI body does.
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        trio.lowlevel.notify_closing(sock)  # drops the loop's registration of this descriptor
+        sock.close()
 
 
 def _direct_socket(scope: Scope) -> socket.socket | None:
@@ -144,20 +138,39 @@ def _direct_socket(scope: Scope) -> socket.socket | None:
     return connection_socket(scope)
 
 
-def _sendfile(sock: socket.socket, fd: int, pos: int, count: int) -> None:
-    """Send `count` bytes of `fd` from `pos`, blocking (the socket is the server's: non-blocking)."""
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLOUT)
-    while count:
-        try:
-            n = os.sendfile(sock.fileno(), fd, pos, count)
-        except BlockingIOError:
-            if not poller.poll(SEND_IDLE_S * 1000):
-                raise TimeoutError(f"the peer read nothing for {SEND_IDLE_S:.0f} s") from None
-            continue
-        if n == 0:
-            raise OSError(f"the file shrank while being served (at {pos:,}, {count:,} bytes to go)")
-        pos, count = pos + n, count - n
+async def send_direct(sock: socket.socket, fd: int, pos: int, left: int,
+                      ready: Callable[[int], Awaitable[int]] | None = None,
+                      sending: Callable[[int], None] | None = None, idle_s: float = SEND_IDLE_S) -> None:
+    """Send bytes pos..pos+left-1 of `fd` on the non-blocking `sock` by sendfile, on the event loop:
+    no worker thread, which a stalled peer would hold (trio's 40 are shared with the store's work).
+    The peer must take SEND_FLOOR bytes (or the rest) in every `idle_s` it is waited for, else
+    TimeoutError: one reading nothing, or a byte a minute, is cut, so an answer's life is bounded by
+    its length. Time spent in `ready` (the upstream's, bounded by forward.py) is not the peer's."""
+    window_end, owed = trio.current_time() + idle_s, SEND_FLOOR
+    while left:
+        n = left
+        if ready is not None:
+            before = trio.current_time()
+            n = min(left, await ready(pos) - pos)
+            window_end += trio.current_time() - before
+        if sending is not None:
+            sending(n)
+        while n:
+            try:
+                # CHUNK at most: a read from a cold disk holds the loop as long as send_body's pread does
+                sent = os.sendfile(sock.fileno(), fd, pos, min(n, CHUNK))
+            except BlockingIOError:
+                # With TCP_NOTSENT_LOWAT lifted the socket turns writable about once per BULK_LOWAT drained.
+                with trio.move_on_at(window_end):
+                    await trio.lowlevel.wait_writable(sock)
+                    continue
+                raise TimeoutError(f"the peer took under {SEND_FLOOR:,} bytes in {idle_s:.0f} s") from None
+            if sent == 0:
+                raise OSError(f"the file shrank while being served (at {pos:,}, {n:,} bytes to go)")
+            pos, n, left, owed = pos + sent, n - sent, left - sent, owed - sent
+            if owed <= 0:
+                window_end, owed = trio.current_time() + idle_s, SEND_FLOOR
+            await trio.lowlevel.checkpoint()  # a peer that keeps up never blocks: let the others run
 
 
 def connection_socket(scope: Scope) -> socket.socket | None:

@@ -2,19 +2,27 @@
 TCP_NOTSENT_LOWAT while the body is sent: trio sets 16 KiB on every connection, which behind a
 1 Gbit/s link cost the sender 2 CPU-s per GiB in event-loop wake-ups; the connection is found by its
 two addresses and given its own value back after the body. A request that asks to close the
-connection after the answer (as agent/peerhttp.py asks) gets its body with sendfile, the others in
-ASGI messages: a real agent answers both byte for byte, and the second keeps its connection."""
+connection after the answer (as agent/peerhttp.py asks) gets its body with sendfile on that socket,
+never through the server's messages, the others in ASGI messages: a real agent answers both byte for
+byte, and the second keeps its connection. The sendfile path runs on the event loop, not in a worker
+thread: a peer that stops reading is cut, and fifty of them do not stop the agent's other work."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
+import trio
+from starlette.types import Message
 
-from agent.blobs import BULK_LOWAT, bulk_sending, connection_socket
+from agent.blobs import BULK_LOWAT, bulk_sending, connection_socket, send_direct, send_range
 from tests.agents import SECRET, Agent, free_port
 from tests.fleets import import_model
 
@@ -58,8 +66,8 @@ def test_a_connection_not_found_leaves_every_socket_alone(connection: tuple[sock
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, str, bytes]]:
-    """A real agent holding one blob of 8 MiB and a bit: (agent, its sha256, its bytes)."""
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, str, bytes, str]]:
+    """A real agent holding one blob of 8 MiB and a bit: (agent, its sha256, its bytes, its model's digest)."""
     base = tmp_path_factory.mktemp("blob-socket")
     data = b"GGUF" + os.urandom((8 << 20) + 4093)
     (base / "m.gguf").write_bytes(data)
@@ -67,7 +75,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, st
     try:
         digest = import_model(agent, base / "m.gguf")
         sha = json.loads(agent.get(f"/v1/manifests/{digest}").content)["files"][0]["sha256"]
-        yield agent, str(sha), data
+        yield agent, str(sha), data, digest
     finally:
         agent.stop()
 
@@ -91,8 +99,8 @@ def ask(sock: socket.socket, agent: Agent, path: str, extra: str) -> tuple[bytes
 
 
 @pytest.mark.e2e
-def test_a_body_by_sendfile_is_whole_and_ends_with_its_connection(served: tuple[Agent, str, bytes]) -> None:
-    agent, sha, data = served
+def test_a_body_by_sendfile_is_whole_and_ends_with_its_connection(served: tuple[Agent, str, bytes, str]) -> None:
+    agent, sha, data, _ = served
     with socket.create_connection((agent.address, agent.port), timeout=10) as sock:
         head, body = ask(sock, agent, f"/v1/blobs/{sha}", "Range: bytes=3-\r\nConnection: close\r\n")
         assert head.startswith(b"HTTP/1.1 206") and body == data[3:]
@@ -100,10 +108,117 @@ def test_a_body_by_sendfile_is_whole_and_ends_with_its_connection(served: tuple[
 
 
 @pytest.mark.e2e
-def test_a_body_on_a_kept_connection_is_whole_and_the_connection_serves_on(served: tuple[Agent, str, bytes]) -> None:
-    agent, sha, data = served
+def test_a_body_on_a_kept_connection_is_whole_and_the_connection_serves_on(served: tuple[Agent, str, bytes, str]) -> None:
+    agent, sha, data, _ = served
     with socket.create_connection((agent.address, agent.port), timeout=10) as sock:
         head, body = ask(sock, agent, f"/v1/blobs/{sha}", "Range: bytes=0-\r\n")
         assert head.startswith(b"HTTP/1.1 206") and body == data
         head, body = ask(sock, agent, f"/v1/blobs/{sha}", "Range: bytes=5-9\r\n")
         assert head.startswith(b"HTTP/1.1 206") and body == data[5:10]
+
+
+@pytest.fixture
+def blob(tmp_path: Path) -> Iterator[tuple[int, bytes]]:
+    """(an open descriptor, its bytes): 24 MiB and a bit, more than loopback's buffers hold."""
+    data = os.urandom((24 << 20) + 4093)
+    (tmp_path / "b").write_bytes(data)
+    fd = os.open(tmp_path / "b", os.O_RDONLY)
+    try:
+        yield fd, data
+    finally:
+        os.close(fd)
+
+
+def closing_scope(server: socket.socket) -> dict[str, object]:
+    return {"type": "http", "scheme": "http", "http_version": "1.1", "headers": [(b"connection", b"close")],
+            "server": server.getsockname(), "client": server.getpeername()}
+
+
+def read_to_end(sock: socket.socket, into: bytearray, pause_s: float = 0.0, size: int = 1 << 20) -> None:
+    sock.settimeout(30)
+    while more := sock.recv(size):
+        into += more
+        time.sleep(pause_s)
+
+
+def test_a_closing_request_s_body_goes_by_sendfile_on_its_socket_not_through_the_server(
+        connection: tuple[socket.socket, socket.socket], blob: tuple[int, bytes]) -> None:
+    server, client = connection
+    server.setblocking(False)  # as the server's own socket is
+    fd, data = blob
+    messages: list[Message] = []
+
+    async def record(message: Message) -> None:
+        messages.append(message)
+
+    got = bytearray()
+    reader = threading.Thread(target=read_to_end, args=(client, got))
+    reader.start()
+    trio.run(send_range, closing_scope(server), record, fd, 7, len(data) - 7)
+    reader.join(30)
+    assert messages == []  # the server saw no body: it went on the socket itself
+    assert bytes(got) == data[7:]  # whole, and the connection ended with it (read_to_end returned)
+
+
+def test_a_peer_that_reads_nothing_is_cut_after_the_idle_time(
+        connection: tuple[socket.socket, socket.socket], blob: tuple[int, bytes]) -> None:
+    server, client = connection
+    server.setblocking(False)
+    fd, data = blob
+
+    async def main() -> None:
+        with trio.fail_after(10):
+            await send_range(closing_scope(server), record, fd, 0, len(data), idle_s=0.3)
+
+    async def record(message: Message) -> None:
+        raise AssertionError(f"the server was handed {message['type']}")
+
+    trio.run(main)
+    got = bytearray()
+    read_to_end(client, got)
+    assert 0 < len(got) < len(data)  # what the buffers held, then the end of the connection
+
+
+def test_a_peer_that_trickles_is_cut_though_it_reads_something_in_every_idle_time(
+        connection: tuple[socket.socket, socket.socket], blob: tuple[int, bytes]) -> None:
+    server, client = connection
+    server.setblocking(False)
+    fd, data = blob
+    got = bytearray()
+    reader = threading.Thread(target=read_to_end, args=(client, got, 0.05, 16 << 10))  # 320 KiB/s
+    reader.start()
+
+    async def main() -> None:
+        with trio.fail_after(20):  # the whole file at this pace would take over a minute
+            await send_direct(server, fd, 0, len(data), idle_s=0.5)
+
+    try:
+        with pytest.raises(TimeoutError, match="took under"):
+            trio.run(main)
+    finally:
+        server.shutdown(socket.SHUT_RDWR)
+        reader.join(30)
+    assert len(got) < len(data)
+
+
+@pytest.mark.e2e
+def test_stalled_blob_readers_do_not_stop_the_agent_s_other_work(served: tuple[Agent, str, bytes, str]) -> None:
+    """More stalled peers than trio has worker threads (40): an on-demand verify, which runs in one,
+    still answers at once (it waited for the first sendfile's 60 s while they were threads)."""
+    agent, sha, _, digest = served
+    stalled = []
+    try:
+        for _ in range(48):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((agent.address, agent.port))
+            sock.sendall(f"GET /v1/blobs/{sha} HTTP/1.1\r\nHost: {agent.address}\r\nAuthorization: Bearer {SECRET}\r\n"
+                         "Connection: close\r\n\r\n".encode())
+            stalled.append(sock)
+        time.sleep(1)
+        answer = httpx.post(f"{agent.url}/v1/weights/{digest}/verify", headers={"Authorization": f"Bearer {SECRET}"},
+                            timeout=10)
+        assert answer.status_code == 200, answer.text
+    finally:
+        for sock in stalled:
+            sock.close()
