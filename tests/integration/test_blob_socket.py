@@ -5,7 +5,8 @@ two addresses and given its own value back after the body. A request that asks t
 connection after the answer (as agent/peerhttp.py asks) gets its body with sendfile on that socket,
 never through the server's messages, the others in ASGI messages: a real agent answers both byte for
 byte, and the second keeps its connection. The sendfile path runs on the event loop, not in a worker
-thread: a peer that stops reading is cut, and fifty of them do not stop the agent's other work."""
+thread: a peer that stops reading is cut, and fifty of them do not stop the agent's other work; a file
+being fetched goes the same way as its pieces are verified, and its answer is cut where they end."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import trio
 from starlette.types import Message
 
 from agent.blobs import BULK_LOWAT, bulk_sending, connection_socket, send_direct, send_range
+from agent.forward import Partial, PartialBlobResponse, UpstreamEnded
 from tests.agents import SECRET, Agent, free_port
 from tests.fleets import import_model
 
@@ -199,6 +201,68 @@ def test_a_peer_that_trickles_is_cut_though_it_reads_something_in_every_idle_tim
         server.shutdown(socket.SHUT_RDWR)
         reader.join(30)
     assert len(got) < len(data)
+
+
+async def fetched(partial: Partial, data: bytes, upto: int) -> None:
+    """The fetch feeding `partial`: a MiB at a time, each published as verified, then silence after `upto`."""
+    with open(partial.path, "r+b") as fh:
+        for at in range(0, upto, 1 << 20):
+            await trio.sleep(0.01)
+            fh.write(data[at:min(upto, at + (1 << 20))])
+            fh.flush()
+            partial.verified = min(upto, at + (1 << 20))
+
+
+def forward(connection: tuple[socket.socket, socket.socket], tmp_path: Path, data: bytes,
+            upto: int) -> tuple[list[str], bytes, UpstreamEnded | None]:
+    """A whole-file answer over a file being fetched, on the direct path: (the messages the server
+    was handed, the bytes the client received before the connection ended, why it was cut)."""
+    server, client = connection
+    server.setblocking(False)
+    (tmp_path / "part").write_bytes(b"")
+    partial = Partial(tmp_path / "part", len(data), progress=lambda: partial.verified)
+    messages: list[str] = []
+    got = bytearray()
+    cut: list[UpstreamEnded] = []
+    reader = threading.Thread(target=read_to_end, args=(client, got))
+    reader.start()
+
+    async def record(message: Message) -> None:
+        messages.append(message["type"])
+
+    async def receive() -> Message:
+        raise AssertionError("the body of a GET is not read")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetched, partial, data, upto)
+            try:
+                with trio.fail_after(10):
+                    await PartialBlobResponse(partial, None, stall_s=0.3)(
+                        {**closing_scope(server), "method": "GET"}, receive, record)
+            except UpstreamEnded as exc:
+                cut.append(exc)
+
+    try:
+        trio.run(main)
+    finally:
+        reader.join(30)
+    return messages, bytes(got), cut[0] if cut else None
+
+
+def test_a_file_being_fetched_goes_by_sendfile_as_its_pieces_are_verified(
+        connection: tuple[socket.socket, socket.socket], tmp_path: Path) -> None:
+    data = os.urandom((6 << 20) + 5)
+    messages, got, cut = forward(connection, tmp_path, data, len(data))
+    assert messages == ["http.response.start"] and cut is None and got == data
+
+
+def test_a_fetch_that_stalls_cuts_the_forwarded_answer_where_its_verified_bytes_end(
+        connection: tuple[socket.socket, socket.socket], tmp_path: Path) -> None:
+    data = os.urandom(6 << 20)
+    messages, got, cut = forward(connection, tmp_path, data, 3 << 20)
+    assert cut is not None and "received nothing" in str(cut), cut
+    assert messages == ["http.response.start"] and got == data[:3 << 20]  # the downstream resumes from there
 
 
 @pytest.mark.e2e
