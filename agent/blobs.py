@@ -9,7 +9,10 @@ connection after the answer (agent/peerhttp.py's do): the server sends the head 
 body, which ends with the connection. Behind a 1 Gbit/s tbf, a sender moved a GiB for 0.16 CPU-s by
 sendfile against 1.9-2.1 through trio's send_all, whose 16 KiB TCP_NOTSENT_LOWAT (set on every
 connection) woke the event loop for every 16 KiB the link drained. Other requests keep the ASGI
-messages, with that low-water mark lifted on their connection while the body is sent (0.73-0.81)."""
+messages, with that low-water mark lifted on their connection while the body is sent (0.73-0.81).
+sendfile runs on the event loop, not in a worker thread, which a peer that stops reading would hold:
+bench/hopcpu.py on loopback, the source's CPU-s per GiB: ASGI messages 0.67, sendfile from a thread
+0.21, on the loop 0.33 (the same ~600 wake-ups a GiB cost more through trio's scheduler)."""
 
 from __future__ import annotations
 
@@ -156,21 +159,26 @@ async def send_direct(sock: socket.socket, fd: int, pos: int, left: int,
         if sending is not None:
             sending(n)
         while n:
+            ask = min(n, CHUNK)  # a read from a cold disk holds the loop as long as send_body's pread does
             try:
-                # CHUNK at most: a read from a cold disk holds the loop as long as send_body's pread does
-                sent = os.sendfile(sock.fileno(), fd, pos, min(n, CHUNK))
+                sent: int | None = os.sendfile(sock.fileno(), fd, pos, ask)
             except BlockingIOError:
-                # With TCP_NOTSENT_LOWAT lifted the socket turns writable about once per BULK_LOWAT drained.
-                with trio.move_on_at(window_end):
-                    await trio.lowlevel.wait_writable(sock)
-                    continue
-                raise TimeoutError(f"the peer took under {SEND_FLOOR:,} bytes in {idle_s:.0f} s") from None
+                sent = None
             if sent == 0:
                 raise OSError(f"the file shrank while being served (at {pos:,}, {n:,} bytes to go)")
-            pos, n, left, owed = pos + sent, n - sent, left - sent, owed - sent
-            if owed <= 0:
-                window_end, owed = trio.current_time() + idle_s, SEND_FLOOR
-            await trio.lowlevel.checkpoint()  # a peer that keeps up never blocks: let the others run
+            if sent:
+                pos, n, left, owed = pos + sent, n - sent, left - sent, owed - sent
+                if owed <= 0:
+                    window_end, owed = trio.current_time() + idle_s, SEND_FLOOR
+            if sent == ask:
+                await trio.lowlevel.checkpoint()  # a peer that keeps up never blocks: let the others run
+                continue
+            # The buffer is full (a retry now would get EAGAIN). It turns writable with a third of it
+            # free and, TCP_NOTSENT_LOWAT lifted, under BULK_LOWAT unsent: about 600 wake-ups a GiB.
+            with trio.move_on_at(window_end):
+                await trio.lowlevel.wait_writable(sock)
+                continue
+            raise TimeoutError(f"the peer took under {SEND_FLOOR:,} bytes in {idle_s:.0f} s")
 
 
 def connection_socket(scope: Scope) -> socket.socket | None:
