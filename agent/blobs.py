@@ -217,9 +217,14 @@ def _socket_at(fd: int, server: tuple[object, ...], client: tuple[object, ...]) 
     try:
         if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
             return None
-        sock = socket.socket(fileno=os.dup(fd))
+        copy = os.dup(fd)
     except OSError:
         return None  # closed meanwhile
+    try:
+        sock = socket.socket(fileno=copy)
+    except OSError:
+        os.close(copy)  # closed and reused for something else meanwhile (a worker thread's open)
+        return None
     try:
         if (sock.type == socket.SOCK_STREAM and tuple(sock.getsockname()[:2]) == server
                 and tuple(sock.getpeername()[:2]) == client):
