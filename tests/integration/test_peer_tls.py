@@ -18,6 +18,8 @@ from tests.fleets import import_model
 from tests.integration.test_agent_tls import HOSTNAME, NamedAgent, make_pki
 from tests.models import tiny_safetensors
 
+pytestmark = pytest.mark.e2e  # real fleet-agent processes
+
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 PEER_ADDRESS, FETCHER_ADDRESS = "127.0.0.11", "127.0.0.12"
 

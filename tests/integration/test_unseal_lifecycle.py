@@ -289,6 +289,7 @@ def test_a_process_holding_the_key_is_closed_to_its_users_other_processes(how: s
         assert got == {"environ": "Permission denied", f"fd/{fd}": "Permission denied"}, got
 
 
+@pytest.mark.e2e  # a real fleet-agent process
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_DUMPABLE is Linux's")
 def test_a_serving_agent_without_a_key_keeps_its_cluster_secret_from_its_users_processes(tmp_path: Path) -> None:
     home, address = tmp_path / "a", "127.0.0.1"

@@ -27,6 +27,7 @@ def test_a_timeout_is_seconds_above_zero_or_inf(command: str) -> None:
             parser.parse_args([command, "--timeout", bad])
 
 
+@pytest.mark.e2e  # a real fleet process
 def test_observe_with_no_timeout_waits_for_an_agent_that_never_answers(tmp_path: Path) -> None:
     """A real `fleet observe --timeout inf` against a listener that accepts and never answers: it
     waits (it used to fail at once: epoll cannot wait an infinite time in one call)."""
