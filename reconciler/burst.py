@@ -29,6 +29,7 @@ from wire.http import HeadTooLarge, MalformedHead, ResponseHead, split_head
 
 from .agent_errors import AgentProtocolError, NodeUnreachable
 from .model import NodeSpec
+from .sockio import numeric_family
 from .transport import ANSWER_LIMIT, READ, AgentRequest
 
 
@@ -44,17 +45,7 @@ Result = tuple[int, bytes] | OSError | NodeUnreachable | AgentProtocolError | Ti
 
 def batchable(node: NodeSpec) -> bool:
     """Plain HTTP to a numeric address: TLS and names to resolve go through SocketTransport.exchange."""
-    return not node.tls and _family(node.address) is not None
-
-
-def _family(address: str) -> socket.AddressFamily | None:
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            socket.inet_pton(family, address)
-            return family
-        except OSError:
-            continue
-    return None
+    return not node.tls and numeric_family(node.address) is not None
 
 
 class Reader:
@@ -160,7 +151,7 @@ def _exchange_all(requests: Sequence[AgentRequest], concurrency: int, timeout: f
         node = request.node
         sock: socket.socket | None = None
         try:  # a socket refused (EMFILE: out of descriptors) is this node's error, not the batch's
-            sock = socket.socket(_family(node.address) or socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+            sock = socket.socket(numeric_family(node.address) or socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
             code = sock.connect_ex((node.address, node.agent_port))
             if code not in (0, errno.EINPROGRESS):
                 raise OSError(code, os.strerror(code))

@@ -51,7 +51,7 @@ def prepare(sock: socket.socket) -> socket.socket:
 
 async def connect(host: str, port: int) -> socket.socket:
     """A connected TCP socket to host:port, trying each address the name resolves to."""
-    family = _numeric(host)
+    family = numeric_family(host)
     if family is not None:  # an address already: no resolver, no wrapper object (most agents are named so)
         sock = prepare(socket.socket(family, socket.SOCK_STREAM))
         try:
@@ -81,7 +81,8 @@ async def connect(host: str, port: int) -> socket.socket:
     raise error
 
 
-def _numeric(host: str) -> socket.AddressFamily | None:
+def numeric_family(host: str) -> socket.AddressFamily | None:
+    """AF_INET or AF_INET6 for an IP address written as one; None for a name to resolve."""
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
             socket.inet_pton(family, host)
