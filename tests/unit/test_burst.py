@@ -84,17 +84,24 @@ def test_only_plain_agents_at_an_address_are_batched() -> None:
     assert not batchable(NodeSpec(name="n", address="127.0.0.1", tls=True))
 
 
+async def read_head(stream: trio.SocketStream) -> bytes | None:
+    """A stand-in agent's read of one request: its head and what came with it (None: the client left)."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        more = await stream.receive_some(65536)
+        if not more:
+            return None
+        buf += more
+    return buf
+
+
 async def stand_in(stream: trio.SocketStream, *, answer: bytes | None, live: list[int], most: list[int]) -> None:
     """Reads a request head and answers it (None: stays silent); counts connections open at once."""
     live[0] += 1
     most[0] = max(most[0], live[0])
     try:
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            more = await stream.receive_some(65536)
-            if not more:
-                return
-            buf += more
+        if (buf := await read_head(stream)) is None:
+            return
         await trio.sleep(0.01)  # so that connections overlap
         if answer is None:  # silent until the client goes
             while await stream.receive_some(65536):

@@ -13,6 +13,7 @@ import trio
 from reconciler.client import AgentClient, AgentError
 from reconciler.model import NodeSpec
 from reconciler.transport import MemoryTransport
+from tests.unit.test_burst import read_head
 
 SECRET = "s" * 16
 GOOD = "0123456789abcdef" * 2
@@ -47,12 +48,8 @@ def test_the_batch_asks_about_an_agents_generation_only() -> None:
     heads: list[bytes] = []
 
     async def stand_in(stream: trio.SocketStream) -> None:
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            more = await stream.receive_some(65536)
-            if not more:
-                return
-            buf += more
+        if (buf := await read_head(stream)) is None:
+            return
         heads.append(buf.split(b"\r\n\r\n")[0])
         await stream.send_all(ANSWER)
         await stream.aclose()
