@@ -6,11 +6,12 @@ plan wall time and the plan process's CPU per node, and apply time, with the tar
 Targets (issue 16, at 10,000 nodes): plan <= 5 s wall and <= 0.3 ms of client CPU per node; apply
 of 10,000 start actions <= 30 s. The simulated agents run on the same machine as fleet: their CPU
 is printed too, and the machine's cores and load (a shared machine's figures vary with its load).
-Each size is planned cold (no cache of observed states: a CI pipeline's first plan, which then
-writes it) and warm (the next plan: every agent is still asked, and answers 304 for the state
-held; reconciler/obscache.py). After the plans, the same steps run in this process, cold then
-warm, each timed alone (CPU): reading the file, reading the cache, asking the agents, keeping the
-states, planning, writing the JSON; so a change's effect shows where it lands.
+Each size is planned cold (no cache of observed states nor of the validated file: a CI pipeline's
+first plan, which then writes them) and warm (the next plan: every agent is still asked, and
+answers 304 for the state held; reconciler/obscache.py). After the plans, the same steps run in this process, cold then
+warm, each timed alone (CPU): reading the file (warm: what it validated to, kept by
+reconciler/desiredcache.py), reading the cache, asking the agents, keeping the states, planning,
+writing the JSON; so a change's effect shows where it lands.
 
     .venv/bin/python bench/plan_scale.py [--sizes 1000,10000] [--apply-sizes 1000,10000] [--no-split]
 """
@@ -70,8 +71,8 @@ def split(path: Path, secret: str, cache_dir: Path) -> str:
     the observation cache in `cache_dir` (empty: cold; as a plan left it: warm)."""
     import trio
 
-    from reconciler import config
     from reconciler.client import AgentClient
+    from reconciler.desiredcache import DesiredCache
     from reconciler.obscache import ObservationCache
     from reconciler.observe import kept_to_the_end, observe
     from reconciler.planner import plan
@@ -89,9 +90,9 @@ def split(path: Path, secret: str, cache_dir: Path) -> str:
         steps.append((name, now - at))
         at = now
 
-    loaded = config.load(path)
+    loaded = DesiredCache(cache_dir / "desired.bin", lambda message: print(f"  warning: {message}")).load(path)
     assert loaded.desired is not None, loaded.diagnostics[:3]
-    step("read the file")
+    step("read the file" + (" (as validated before)" if loaded.cached else ""))
     cache = ObservationCache(cache_dir / "observed.bin", lambda message: print(f"  warning: {message}"))
     with kept_to_the_end():
         held = cache.load(loaded.desired)

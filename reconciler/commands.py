@@ -22,6 +22,7 @@ from .drain import Drainer
 from .execute import Executor, Result
 from .exitcodes import Exit
 from .model import Desired
+from .desiredcache import DesiredCache
 from .obscache import ObservationCache
 from .observe import kept_to_the_end, observe
 from .observed import Observed, from_snapshot
@@ -36,7 +37,8 @@ from .tables import open_store
 
 
 def _load(path: str) -> config.Loaded:
-    loaded = config.load(path)
+    cache = DesiredCache.for_file(path, _warn)
+    loaded = config.load(path) if cache is None else cache.load(path)
     if not loaded.ok:
         errors = sum(1 for d in loaded.diagnostics if d.is_error)
         raise Failure(Exit.INVALID_CONFIG, "invalid_config",
@@ -65,9 +67,12 @@ async def _observe(desired: Desired, timeout: float, secret: str, cache: Observa
     return seen
 
 
+def _warn(message: str) -> None:
+    console(stderr=True).print(f"[yellow]warning:[/] {escape(message)}")
+
+
 def _cache(loaded: config.Loaded) -> ObservationCache | None:
-    return ObservationCache.for_file(loaded.filename, lambda message: console(stderr=True).print(
-        f"[yellow]warning:[/] {escape(message)}"))
+    return ObservationCache.for_file(loaded.filename, _warn)
 
 
 def _write(path: str, text: str, what: str) -> None:

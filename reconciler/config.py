@@ -30,6 +30,7 @@ class Loaded:
     document: Document | None
     digest: str | None
     text: str | None = None
+    cached: bool = False  # from desiredcache.py: what this very text validated to on an earlier run (no document)
 
     @property
     def ok(self) -> bool:

@@ -75,11 +75,8 @@ class Checker:
         if given is None:
             return None
         path = Path(self.doc.filename).resolve().parent / Path(given).expanduser()
-        try:
-            ok, why = b"-----BEGIN CERTIFICATE-----" in path.read_bytes(), "it holds no PEM certificate"
-        except OSError as exc:
-            ok, why = False, exc.strerror or str(exc)
-        if not ok:
+        why = ca_file_problem(path)
+        if why is not None:
             self.add("ca_file_unreadable", ("control_plane", "agent_ca_file"),
                      f"cannot use {str(path)!r} as the agents' CA file: {why}")
         return str(path)
@@ -319,3 +316,12 @@ def _layers_hint(text: str) -> str:
     first, _, last = text.partition("-")
     example = f"{last}-{first}" if first.isdigit() and last.isdigit() else "0-39"
     return f"Write FIRST-LAST with FIRST <= LAST, e.g. {example}."
+
+
+def ca_file_problem(path: Path) -> str | None:
+    """Why the agents' CA file cannot be used (None when it holds a PEM certificate); desiredcache
+    asks again before it trusts a validation it kept."""
+    try:
+        return None if b"-----BEGIN CERTIFICATE-----" in path.read_bytes() else "it holds no PEM certificate"
+    except OSError as exc:
+        return exc.strerror or str(exc)

@@ -64,19 +64,17 @@ class ObservationCache:
     @classmethod
     def for_file(cls, fleet_file: str | Path, warn: Warn) -> ObservationCache | None:
         """The cache of this fleet file (by its absolute path); None when FLEET_OBSERVE_CACHE=off."""
-        if os.environ.get(OFF_ENV, "").strip().lower() in OFF:
-            return None
-        base = Path(os.environ.get(DIR_ENV) or platformdirs.user_cache_dir("fleet"))
-        key = hashlib.sha256(str(Path(fleet_file).absolute()).encode()).hexdigest()[:24]
-        return cls(base / "observed" / f"{key}.bin", warn)
+        path = cache_path("observed", fleet_file)
+        return None if path is None else cls(path, warn)
 
     def load(self, desired: Desired) -> dict[str, ObservedNode]:
         """The nodes held for this fleet's nodes, each at the address it has now; {} when there is
         no cache, or one that cannot be used (with a warning). Those asked plainly go into `plain`."""
         self.plain.clear()
         try:
-            _private_directory(self.path.parent)
-            entries = self._read()
+            entries = marshal.loads(read_private(self.path, MAGIC, TAG))
+            if not isinstance(entries, dict) or not all(_entry(k, v) for k, v in entries.items()):
+                raise ValueError("its entries are not states")
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, EOFError, TypeError) as exc:
@@ -103,32 +101,6 @@ class ObservationCache:
         self.warn(f"[{IGNORED}] the cache of observed states {self.path} is ignored ({why}); every state is "
                   "asked for whole")
 
-    def _read(self) -> Mapping[str, Entry]:
-        # O_NOFOLLOW: not a link's target; O_NONBLOCK: a FIFO in its place does not hang the open.
-        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(f.fileno())
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-                raise ValueError("it is not a file of this user's")
-            if info.st_mode & 0o077:
-                raise ValueError(f"others may read or write it (mode {stat.S_IMODE(info.st_mode):o})")
-            if info.st_size > MAX_BYTES + 4096:
-                raise ValueError(f"it is larger than {MAX_BYTES >> 20} MiB")
-            data = f.read()
-        magic, tag, digest = (data[:len(MAGIC)], data[len(MAGIC):len(MAGIC) + len(TAG)],
-                              data[len(MAGIC) + len(TAG):len(MAGIC) + len(TAG) + 65])
-        if magic != MAGIC:
-            raise ValueError("it is not a cache of fleet's")
-        if tag != TAG:
-            raise ValueError("another Python or another fleet version wrote it")
-        payload = data[len(MAGIC) + len(TAG) + 65:]
-        if hashlib.sha256(payload).hexdigest().encode() + b"\n" != digest:
-            raise ValueError("its checksum does not match: it is damaged")
-        entries = marshal.loads(payload)
-        if not isinstance(entries, dict) or not all(_entry(k, v) for k, v in entries.items()):
-            raise ValueError("its entries are not states")
-        return entries
-
     def save(self, desired: Desired, observed: Observed, held: Mapping[str, ObservedNode] | None = None,
              bare: Collection[str] = ()) -> None:
         """Keep the states observed now (the nodes that answered), in place of what was kept;
@@ -153,23 +125,66 @@ class ObservationCache:
             self.warn(f"[{NOT_KEPT}] the observed states are {len(payload) >> 20} MiB, more than the cache keeps "
                       f"({MAX_BYTES >> 20} MiB): the next run asks for every state whole")
             payload = marshal.dumps({})
-        data = MAGIC + TAG + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
         try:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _private_directory(self.path.parent)
-            # A name of its own (mkstemp: 0600, O_EXCL): one a killed run left behind is not in the way.
-            fd, temp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(temp, self.path)
-            except BaseException:
-                Path(temp).unlink(missing_ok=True)
-                raise
+            write_private(self.path, MAGIC, TAG, payload)
         except (OSError, ValueError) as exc:
             self.warn(f"[{NOT_KEPT}] cannot keep the observed states in {self.path} "
                       f"({exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}); "
                       "the next run asks for every state whole")
+
+
+def cache_path(kind: str, fleet_file: str | Path) -> Path | None:
+    """Where the cache of this kind for this fleet file (by its absolute path) lives; None when
+    FLEET_OBSERVE_CACHE=off (it switches off every cache kept beside the states)."""
+    if os.environ.get(OFF_ENV, "").strip().lower() in OFF:
+        return None
+    base = Path(os.environ.get(DIR_ENV) or platformdirs.user_cache_dir("fleet"))
+    key = hashlib.sha256(str(Path(fleet_file).absolute()).encode()).hexdigest()[:24]
+    return base / kind / f"{key}.bin"
+
+
+def read_private(path: Path, magic: bytes, tag: bytes, max_bytes: int = MAX_BYTES) -> bytes:
+    """The payload of a cache file this user wrote under `magic` and `tag` with write_private.
+    Raises FileNotFoundError when there is none, ValueError (or OSError) saying why one cannot be used."""
+    _private_directory(path.parent)
+    # O_NOFOLLOW: not a link's target; O_NONBLOCK: a FIFO in its place does not hang the open.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise ValueError("it is not a file of this user's")
+        if info.st_mode & 0o077:
+            raise ValueError(f"others may read or write it (mode {stat.S_IMODE(info.st_mode):o})")
+        if info.st_size > max_bytes + 4096:
+            raise ValueError(f"it is larger than {max_bytes >> 20} MiB")
+        data = f.read()
+    head = len(magic) + len(tag)
+    if data[:len(magic)] != magic:
+        raise ValueError("it is not a cache of fleet's")
+    if data[len(magic):head] != tag:
+        raise ValueError("another Python or another fleet version wrote it")
+    payload = data[head + 65:]
+    if hashlib.sha256(payload).hexdigest().encode() + b"\n" != data[head:head + 65]:
+        raise ValueError("its checksum does not match: it is damaged")
+    return payload
+
+
+def write_private(path: Path, magic: bytes, tag: bytes, payload: bytes) -> None:
+    """`payload` kept in `path` (0600, in a directory only this user may write in) under `magic`,
+    `tag` and its checksum, written whole under a name of its own and renamed. Raises OSError or
+    ValueError (a directory that is not private)."""
+    data = magic + tag + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _private_directory(path.parent)
+    # A name of its own (mkstemp: 0600, O_EXCL): one a killed run left behind is not in the way.
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
 
 
 def _private_directory(path: Path) -> None:

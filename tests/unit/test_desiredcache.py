@@ -1,0 +1,160 @@
+"""The cache of validated fleet files (reconciler/desiredcache.py): the same text is not composed and
+checked again, and what comes back is what reading it whole gives, warnings included; any other
+text, name, place or CA file is read whole; a file that did not validate, or a cache that is not
+fleet's, this user's or whole, is never trusted."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from reconciler import cli, config
+from reconciler.desiredcache import IGNORED, NOT_KEPT, DesiredCache
+from reconciler.diagnostics import warning
+from reconciler.obscache import OFF_ENV
+
+FLEET = """version: 1
+control_plane: {node: cp}
+nodes:
+  cp: {address: 10.0.0.1}
+  a: {address: 10.0.0.2, agent_port: 7171, labels: {rack: r1}, available: ["20:00-06:00"]}
+  b: {address: 10.0.0.3}
+models:
+  m: {format: safetensors, digest: "sha256:1111111111111111111111111111111111111111111111111111111111111111", source: cp, layers: 4}
+  g: {format: gguf, digest: "sha256:2222222222222222222222222222222222222222222222222222222222222222", source: cp}
+replicas:
+  m: [{node: a, layers: 0-1}, {node: b, layers: 2-3}]
+  g: [a]
+clusters:
+  chat: {model: g, members: [a], port: 9000, settings: {context_length: 4096, speculative: {mode: prompt_lookup, tokens: 4}}}
+  piped: {model: m, members: [a, b], port: 9001, pipeline: true}
+"""
+CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+
+
+@pytest.fixture()
+def fleet(tmp_path: Path) -> Path:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(FLEET)
+    return path
+
+
+def cache_of(tmp_path: Path, warnings: list[str]) -> DesiredCache:
+    return DesiredCache(tmp_path / "cache" / "desired" / "k.bin", warnings.append)
+
+
+def test_the_same_text_comes_back_as_reading_it_whole_gives(tmp_path: Path, fleet: Path) -> None:
+    warnings: list[str] = []
+    cache = cache_of(tmp_path, warnings)
+    first, second = cache.load(fleet), cache.load(fleet)
+    whole = config.load(fleet)
+    assert not first.cached and second.cached and warnings == []
+    assert whole.desired is not None and whole.desired.replicas[0].layers is not None  # the slices are in it
+    assert (second.desired, second.digest, second.diagnostics, second.text, second.filename) == (
+        whole.desired, whole.digest, whole.diagnostics, whole.text, whole.filename)
+    assert (cache.path.stat().st_mode & 0o777, cache.path.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+
+
+def test_warnings_are_kept_and_given_back(tmp_path: Path, fleet: Path) -> None:
+    cache = cache_of(tmp_path, [])
+    whole = config.load(fleet)
+    noted = warning("some_warning", "a summary", "a detail", "nodes.a", whole.document.range(("nodes", "a"))
+                    if whole.document is not None else None)
+    cache.keep(replace(whole, diagnostics=(noted,)))
+    again = cache.load(fleet)
+    assert again.cached and again.diagnostics == (noted,) and again.diagnostics[0].range is not None
+
+
+def test_a_changed_byte_is_read_whole_and_kept_in_its_place(tmp_path: Path, fleet: Path) -> None:
+    cache = cache_of(tmp_path, [])
+    cache.load(fleet)
+    fleet.write_text(FLEET.replace("port: 9000", "port: 9010"))
+    changed = cache.load(fleet)
+    assert not changed.cached and changed.desired is not None and changed.desired.clusters["chat"].port == 9010
+    again = cache.load(fleet)
+    assert again.cached and again.desired == changed.desired
+
+
+def test_an_invalid_file_is_never_kept(tmp_path: Path, fleet: Path) -> None:
+    fleet.write_text(FLEET.replace("members: [a], port: 9000", "members: [nobody], port: 9000"))
+    cache = cache_of(tmp_path, [])
+    for _ in range(2):
+        loaded = cache.load(fleet)
+        assert not loaded.ok and not loaded.cached and any(d.is_error for d in loaded.diagnostics)
+    assert not cache.path.exists()
+
+
+def test_another_name_for_the_same_file_is_read_whole(tmp_path: Path, fleet: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = cache_of(tmp_path, [])
+    cache.load(fleet)
+    monkeypatch.chdir(tmp_path)
+    relative = cache.load("fleet.yaml")  # its diagnostics would name the file as given
+    assert not relative.cached and relative.filename == "fleet.yaml"
+
+
+def test_a_ca_file_that_went_bad_is_checked_again(tmp_path: Path, fleet: Path) -> None:
+    (tmp_path / "ca.pem").write_bytes(CERT)
+    fleet.write_text(FLEET.replace("control_plane: {node: cp}", "control_plane: {node: cp, agent_ca_file: ca.pem}"))
+    cache = cache_of(tmp_path, [])
+    assert cache.load(fleet).ok and cache.load(fleet).cached
+    (tmp_path / "ca.pem").write_bytes(b"not a certificate\n")
+    bad = cache.load(fleet)
+    assert not bad.cached and [d.code for d in bad.diagnostics] == ["ca_file_unreadable"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_a_damaged_or_foreign_file_is_ignored_with_a_warning(tmp_path: Path, fleet: Path, damage: str) -> None:
+    warnings: list[str] = []
+    cache = cache_of(tmp_path, warnings)
+    cache.load(fleet)
+    data = cache.path.read_bytes()
+    cache.path.write_bytes({"flip": data[:-10] + bytes([data[-10] ^ 1]) + data[-9:], "truncate": data[:len(data) // 2],
+                            "foreign": b"something else\n" + data}[damage])
+    loaded = cache.load(fleet)
+    assert loaded.ok and not loaded.cached and loaded.desired == config.load(fleet).desired
+    assert len(warnings) == 1 and warnings[0].startswith(f"[{IGNORED}]")
+    assert cache.load(fleet).cached  # rewritten by that load
+
+
+def test_a_link_in_the_files_place_is_not_followed(tmp_path: Path, fleet: Path) -> None:
+    warnings: list[str] = []
+    cache = cache_of(tmp_path, warnings)
+    cache.load(fleet)
+    target = tmp_path / "elsewhere.bin"
+    cache.path.rename(target)
+    cache.path.symlink_to(target)
+    assert not cache.load(fleet).cached and warnings[0].startswith(f"[{IGNORED}]")
+
+
+def test_a_directory_others_may_write_in_is_neither_read_nor_written(tmp_path: Path, fleet: Path) -> None:
+    warnings: list[str] = []
+    cache = cache_of(tmp_path, warnings)
+    cache.load(fleet)
+    os.chmod(cache.path.parent, 0o777)
+    assert not cache.load(fleet).cached
+    assert len(warnings) == 2 and warnings[0].startswith(f"[{IGNORED}]") and warnings[1].startswith(f"[{NOT_KEPT}]")
+
+
+@pytest.mark.parametrize("value", ["off", "0", "false", "no", " OFF "])
+def test_switched_off_with_the_observed_states_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      value: str) -> None:
+    monkeypatch.setenv(OFF_ENV, value)
+    assert DesiredCache.for_file(tmp_path / "fleet.yaml", print) is None
+
+
+def test_fleet_plan_reads_a_kept_file_and_plans_the_same(tmp_path: Path, fleet: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("FLEET_CACHE_DIR", str(tmp_path / "cache"))
+    snapshot = tmp_path / "observed.json"
+    snapshot.write_text(json.dumps({"format": "1.0", "nodes": {}, "manifests": {}}))
+    plans = []
+    for _ in range(2):
+        cli.run(["plan", "--json", "-f", str(fleet), "--observed", str(snapshot)])
+        plans.append(json.loads(capsys.readouterr().out))
+    assert list((tmp_path / "cache" / "desired").glob("*.bin")) and plans[0] == plans[1]
+    assert plans[0]["config_digest"] == config.load(fleet).digest
