@@ -313,3 +313,60 @@ def test_a_group_that_never_forms_times_out_as_a_whole() -> None:
     results = run(Plan((stage(0), stage(1), stage(2)), ()), client)
     assert {r.code for r in results} == {"startup_timeout"}
     assert all(90 <= r.seconds <= 91 for r in results)
+
+
+class TimedFetch(FakeClient):
+    """A fetch of `total` bytes at `rate` bytes/s on the run's clock, reporting its average rate."""
+
+    def __init__(self, total: int, rate: float) -> None:
+        super().__init__()
+        self.total, self.rate, self.began, self.asked = total, rate, 0.0, 0
+
+    async def fetch(self, node: NodeSpec, digest: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.began = trio.current_time()
+        return {"state": "fetching"}
+
+    async def weights(self, node: NodeSpec, digest: str) -> dict[str, Any] | None:
+        self.asked += 1
+        elapsed = trio.current_time() - self.began
+        done = min(self.total, int(elapsed * self.rate))
+        if done >= self.total:
+            return {"state": "present", "bytes": self.total}
+        return {"state": "fetching", "bytes_done": done, "bytes_total": self.total,
+                "rate_bytes_per_s": round(done / elapsed) if elapsed else 0}
+
+
+def test_a_long_fetch_is_asked_about_less_often_and_its_end_seen_as_soon() -> None:
+    # 30 s at a steady rate: every 0.25 s was 120 answers (each ~2.5 ms of the busy agent's CPU);
+    # paced by the time left, at most one a second until the last seconds.
+    client = TimedFetch(3_000_000_000, 100_000_000.0)
+
+    async def go() -> tuple[list[Result], float]:
+        results = await Executor(desired(3), client, clock=trio.current_time).run(Plan((REPLICATE,), ()))
+        return results, trio.current_time()
+    (result,), ended = trio.run(go, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert result.status == "done"
+    assert client.asked <= 45, client.asked
+    assert ended - 30.0 <= 0.26  # the end is seen within one short poll
+
+
+def test_a_fetch_whose_rate_rises_is_asked_about_by_its_recent_rate() -> None:
+    # The agent's average counts a slow start (a chained fetch waiting for its peer's first piece):
+    # the last two answers' rate is the faster one, and the end is not overshot by a long pause.
+    class SlowStart(TimedFetch):
+        async def weights(self, node: NodeSpec, digest: str) -> dict[str, Any] | None:
+            self.asked += 1
+            elapsed = trio.current_time() - self.began
+            done = 0 if elapsed < 20 else min(self.total, int((elapsed - 20) * self.rate))
+            if done >= self.total:
+                return {"state": "present", "bytes": self.total}
+            return {"state": "fetching", "bytes_done": done, "bytes_total": self.total,
+                    "rate_bytes_per_s": round(done / elapsed) if elapsed else 0}
+
+    client = SlowStart(1_000_000_000, 100_000_000.0)
+
+    async def go() -> float:
+        await Executor(desired(3), client, clock=trio.current_time).run(Plan((REPLICATE,), ()))
+        return trio.current_time()
+    ended = trio.run(go, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert ended - 30.0 <= 0.26
