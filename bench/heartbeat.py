@@ -15,7 +15,6 @@ Target (issue 16): heartbeat plus drift plan of 10,000 agents < 5% of one core a
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 import tempfile
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import trio  # noqa: E402
 
-from bench.simfleet import DIGEST, FIRST, cpu_of, machine, simulated, touch_gpus  # noqa: E402
+from bench.simfleet import DIGEST, addresses, cpu_of, machine, simulated, touch_gpus  # noqa: E402
 from reconciler.client import AgentClient  # noqa: E402
 from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec  # noqa: E402
 from reconciler.observe import observer  # noqa: E402
@@ -49,8 +48,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fleet-hb-") as tmp:
         base = Path(tmp)
         with simulated(base, n, args.sim_processes) as (port, sims):
-            first = ipaddress.IPv4Address(FIRST)
-            nodes = {f"n{i}": NodeSpec(f"n{i}", str(first + i), port) for i in range(n)}
+            nodes = {f"n{i}": NodeSpec(f"n{i}", address, port)
+                     for i, address in enumerate(addresses(n, args.sim_processes))}
             clusters = {f"c{k}": ClusterSpec(f"c{k}", "m", tuple(f"n{i}" for i in range(k * 10, min(n, k * 10 + 10))),
                                              9000) for k in range((n + 9) // 10)}
             desired = Desired(1, ControlPlaneSpec("n0"), nodes, {"m": ModelSpec("m", "safetensors", DIGEST, "n0")},

@@ -19,7 +19,6 @@ writing the JSON; so a change's effect shows where it lands.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import resource
 import subprocess
@@ -31,7 +30,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.simfleet import DIGEST, FIRST, cpu_of, machine, simulated  # noqa: E402
+from bench.simfleet import DIGEST, addresses, cpu_of, machine, simulated  # noqa: E402
 from reconciler.model import Desired  # noqa: E402
 from reconciler.obscache import DIR_ENV, OFF_ENV  # noqa: E402
 from reconciler.observed import Observed, ObservedNode  # noqa: E402
@@ -41,10 +40,9 @@ from tests.conftest import fleet_bin  # noqa: E402
 PLAN_WALL_S, PLAN_CPU_MS, APPLY_WALL_S = 5.0, 0.3, 30.0  # at 10,000 nodes
 
 
-def fleet_file(path: Path, n: int, port: int, group: int = 10) -> None:
-    first = ipaddress.IPv4Address(FIRST)
+def fleet_file(path: Path, n: int, port: int, processes: int, group: int = 10) -> None:
     lines = ["version: 1", "control_plane: {node: n0}", "nodes:"]
-    lines += [f"  n{i}: {{address: {first + i}, agent_port: {port}}}" for i in range(n)]
+    lines += [f"  n{i}: {{address: {address}, agent_port: {port}}}" for i, address in enumerate(addresses(n, processes))]
     lines += ["models:", f'  m: {{format: safetensors, digest: "{DIGEST}", source: n0}}', "replicas:",
               "  m: [" + ", ".join(f"n{i}" for i in range(n)) + "]", "clusters:"]
     for k in range(0, n, group):
@@ -113,7 +111,7 @@ def split(path: Path, secret: str, cache_dir: Path) -> str:
 
 def with_agents(base: Path, n: int, processes: int, fn: Callable[[Path, list[int]], None]) -> None:
     with simulated(base, n, processes) as (port, pids):
-        fleet_file(base / f"fleet{n}.yaml", n, port)
+        fleet_file(base / f"fleet{n}.yaml", n, port, processes)
         fn(base / f"fleet{n}.yaml", pids)
 
 

@@ -20,6 +20,16 @@ DIGEST = "sha256:" + "ab" * 32
 FIRST = "127.1.0.1"
 
 
+def addresses(n: int, processes: int = 2) -> list[str]:
+    """The n agents' addresses in the order a fleet file lists them: alternating between the
+    simulator processes (each hosts a consecutive range). fleet asks its agents in the file's
+    order, at most 64 at a time: in the ranges' own order all of them were on one simulator
+    process at a time, so the simulation used one core where 10,000 agents are 10,000 machines."""
+    first = ipaddress.IPv4Address(FIRST)
+    share = -(-n // max(1, processes))
+    return [str(first + k * share + j) for j in range(share) for k in range(max(1, processes)) if k * share + j < n]
+
+
 def machine() -> str:
     """Cores and load average: on a shared machine a figure means little without them."""
     one, five, _ = os.getloadavg()
