@@ -70,6 +70,7 @@ def split(path: Path, secret: str, cache_dir: Path) -> str:
     import trio
 
     from reconciler.client import AgentClient
+    from reconciler.commands import plan_json
     from reconciler.desiredcache import DesiredCache
     from reconciler.obscache import ObservationCache
     from reconciler.observe import kept_to_the_end, observe
@@ -101,7 +102,7 @@ def split(path: Path, secret: str, cache_dir: Path) -> str:
         step("keep the states")
     p = plan(loaded.desired, observed, config_digest=loaded.digest or "", config_file=loaded.filename)
     step("plan")
-    json.dumps(p.to_json(), indent=2)
+    plan_json(p.to_json())
     step("write JSON")
     n = len(loaded.desired.nodes)
     confirmed = sum(1 for name, node in observed.nodes.items() if name in held and node.weights is held[name].weights)

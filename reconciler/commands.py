@@ -11,6 +11,7 @@ import sys
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import trio
 from rich.markup import escape
@@ -114,14 +115,27 @@ def _plan(loaded: config.Loaded, args: argparse.Namespace) -> Plan:
     return Plan(p.changes, warnings + p.diagnostics, p.config_digest, p.config_file, p.fingerprints, p.targets)
 
 
+def plan_json(document: dict[str, Any]) -> str:
+    """The plan document as JSON, indented to its second level and each change (fingerprint,
+    diagnostic) on a line of its own: json's indenting encoder is pure Python, 0.23 s of CPU for
+    10,000 changes against 0.06 s for its C one, which only writes compact JSON."""
+    def member(value: Any) -> str:
+        if isinstance(value, list) and value:
+            return "[\n" + ",\n".join(f"    {json.dumps(v)}" for v in value) + "\n  ]"
+        if isinstance(value, dict) and value:
+            return "{\n" + ",\n".join(f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items()) + "\n  }"
+        return json.dumps(value)
+    return "{\n" + ",\n".join(f"  {json.dumps(k)}: {member(v)}" for k, v in document.items()) + "\n}"
+
+
 def cmd_plan(args: argparse.Namespace, path: str) -> int:
     loaded = _load(path)
     p = _plan(loaded, args)
     if args.out:
-        _write(args.out, json.dumps(p.to_json(), indent=2), "the plan")
+        _write(args.out, plan_json(p.to_json()), "the plan")
     code = Exit.PLAN_REFUSED if p.errored else Exit.CHANGES if p.changes and args.detailed_exitcode else Exit.OK
     if args.json:
-        print_json(p.to_json())
+        print(plan_json(p.to_json()), flush=True)
         return code
     print_plan(console(stderr=False), p)  # a refused plan prints nothing here: its errors say it all
     print_diagnostics(console(stderr=True), p.diagnostics, None)
