@@ -5,7 +5,13 @@ tree fleet planned before (each holder serving two whole copies), every receiver
 once, the bytes each link sent, and the ratio fan-out / one node.
 Target: <= 1.3. Needs root (ip netns, veth, tc); agent homes on a tmpfs when memory allows.
 
-    .venv/bin/python bench/fanout.py [--gib 1.0] [--receivers 8] [--rate 1gbit]
+    .venv/bin/python bench/fanout.py [--gib 1.0] [--receivers 8] [--rate 1gbit] [--no-baselines] [--fresh-memory]
+
+--fresh-memory prints first what a fresh page costs this machine: in a VM whose host takes back the
+memory the guest frees (free page reporting, a balloon), the first write of a page it took back costs
+several times a warm one (here 3.1-4.0 CPU-s a GiB against 0.5), and a fan-out writes a copy per
+receiver: past the few GiB the guest keeps warm, the receivers' writes are half the agents' CPU
+(docs/ARCHITECTURE.md). Off by default: the 2 GiB it writes and frees are warm for a while after.
 
 Every namespace, link and mount it makes is named with the prefix "ffan", and is removed when it
 ends, whatever happens, and at its start if an earlier run was killed before it could."""
@@ -138,14 +144,19 @@ class Agents:
 
     def cpu(self) -> float:
         """CPU seconds the agents have used (`ip netns exec` execs the agent: the pid is the agent's)."""
-        total = 0.0
+        return sum(self.cpu_split())
+
+    def cpu_split(self) -> tuple[float, float]:
+        """The agents' CPU seconds in user space and in the kernel (their writes, sends and receives)."""
+        user = system = 0.0
         for p in self.procs:
             try:
                 fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
+            user += int(fields[11]) / os.sysconf("SC_CLK_TCK")
+            system += int(fields[12]) / os.sysconf("SC_CLK_TCK")
+        return user, system
 
     def sent(self) -> dict[str, int]:
         return {n: Net.sent(ns, i) for n, (ns, _, i) in self.nodes.items()}
@@ -230,6 +241,30 @@ def busy(cpu: float, seconds: float) -> str:
     return f"agents' CPU {cpu:5.1f} s, {cpu / seconds:.2f} of {os.cpu_count()} cores busy on average"
 
 
+def fresh_writes(root: Path, size: int) -> str:
+    """CPU seconds per GiB of a plain write of `size` bytes into a tmpfs of small pages (as the
+    agents' homes) and into one of huge pages, whose 2 MiB blocks are the free memory a VM's host
+    takes back (free page reporting): the warm and the cold price of a page on this machine."""
+    buf = memoryview(bytearray(os.urandom(1 << 20)))
+    out = []
+    for label, options in (("small pages", "size={},huge=never"), ("huge pages", "size={},huge=always")):
+        mount = root / f"fresh-{label.split()[0]}"
+        mount.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", options.format(size + (64 << 20)), "tmpfs", str(mount)],
+                          capture_output=True).returncode != 0:
+            out.append(f"{label} ? (mount refused)")
+            continue
+        try:
+            began = time.thread_time()
+            with open(mount / "x", "wb", buffering=0) as fh:
+                for _ in range(size >> 20):
+                    fh.write(buf)
+            out.append(f"{label} {(time.thread_time() - began) / (size / 2**30):.2f}")
+        finally:
+            sh("umount", "-l", str(mount), check=False)
+    return ", ".join(out)
+
+
 def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {n: after[n] - before[n] for n in after}
 
@@ -246,6 +281,10 @@ def main() -> None:
     ap.add_argument("--piece-size", default="16MiB",
                     help="the model's pieces (fleet-agent import --piece-size): each hop of a chain adds one")
     ap.add_argument("--queue-ms", type=float, default=2.0, help="tbf's queue, in ms of the rate (default: 2.0)")
+    ap.add_argument("--no-baselines", action="store_true",
+                    help="one node and the fan-out only (the ratio): no tree, no everyone-from-the-source")
+    ap.add_argument("--fresh-memory", action="store_true",
+                    help="first, a plain write of the model's size into fresh small and huge tmpfs pages")
     args = ap.parse_args()
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         raise SystemExit("bench/fanout needs root and iproute2 (ip, tc)")
@@ -266,6 +305,8 @@ def main() -> None:
           f"{'a tmpfs' if mounted else 'disk (tmpfs mount refused)'}; {args.receivers} receivers, {args.rate} egress "
           f"each (tbf, queue {args.queue_ms:g} ms), model {size / 2**20:.0f} MiB in pieces of {args.piece_size}", flush=True)
     try:
+        if mounted and args.fresh_memory:
+            print(f"a plain write into fresh memory, CPU-s per GiB: {fresh_writes(root, size)}", flush=True)
         net = Net(args.rate, args.queue_ms)
         names = ["src"] + [f"n{i}" for i in range(1, args.receivers + 1)]
         for i, name in enumerate(names):
@@ -286,14 +327,21 @@ def main() -> None:
               f"{agents.fetch_seconds(receivers[:1], digest)} s; {busy(agents.cpu() - cpu, one)}", flush=True)
         agents.delete(receivers[:1], digest)
 
-        before, cpu = agents.sent(), agents.cpu()
+        before, (user, system) = agents.sent(), agents.cpu_split()
         fan, plan = apply(root, agents, digest, receivers)
-        fan_links, fan_cpu = delta(before, agents.sent()), agents.cpu() - cpu
+        after = agents.cpu_split()
+        fan_links, fan_cpu = delta(before, agents.sent()), sum(after) - user - system
         chain = [line.strip() for line in plan.splitlines() if "fetch" in line and "bytes from" in line]
         print(f"fan-out (fleet apply, {len(receivers)} receivers): {fan:6.2f} s  plan: "
               + "; ".join(c.split("bytes from ")[-1] for c in chain), flush=True)
-        print(f"  each fetch itself (s): {agents.fetch_seconds(receivers, digest)}; {busy(fan_cpu, fan)}", flush=True)
+        print(f"  each fetch itself (s): {agents.fetch_seconds(receivers, digest)}; {busy(fan_cpu, fan)} "
+              f"(user {after[0] - user:.1f}, kernel {after[1] - system:.1f}; "
+              f"{fan_cpu / len(receivers) / (size / 2**30):.2f} CPU-s per GiB received)", flush=True)
         agents.delete(receivers, digest)
+        if args.no_baselines:
+            print(f"ratio fan-out / one node: {fan / one:.2f} (target <= 1.3)")
+            print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+            return
 
         before, cpu = agents.sent(), agents.cpu()
         tree_s = drive(agents, digest, tree(receivers))
