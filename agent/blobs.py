@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import socket
@@ -29,6 +30,8 @@ from typing import Awaitable, Callable, Iterator
 import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger("fleet-agent")
 
 CHUNK = 4 << 20
 SEND_IDLE_S = 60.0  # a peer that reads nothing for this long is cut (as agent/peerhttp.py gives up on one)
@@ -92,7 +95,7 @@ async def send_body(send: Send, fd: int, start: int, length: int,
                     sending: Callable[[int], None] | None = None) -> None:
     """Bytes start..start+length-1 of the file `fd` in ASGI messages of CHUNK. `ready(pos)` waits
     until byte `pos` may be sent and says how far the file may be read (a partial file's verified
-    prefix; None: the whole file may be); `sending(n)` is told of each n bytes before they go."""
+    prefix; None: the whole file may be); `sending(n)` is told of each n bytes once handed on."""
     pos, left = start, length
     while left:
         n = min(CHUNK, left) if ready is None else min(CHUNK, left, await ready(pos) - pos)
@@ -100,11 +103,15 @@ async def send_body(send: Send, fd: int, start: int, length: int,
         # per chunk would cost more than it saves.
         chunk = os.pread(fd, n, pos)
         if len(chunk) != n:
-            raise OSError(f"the file shrank while being served ({len(chunk)} of {n} bytes at {pos:,})")
-        if sending is not None:
-            sending(n)
+            raise FileShrank(f"the file shrank while being served ({len(chunk)} of {n} bytes at {pos:,})")
         pos, left = pos + n, left - n
         await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
+        if sending is not None:
+            sending(n)
+
+
+class FileShrank(OSError):
+    """A file served ended before the length its answer's head promised (cut, replaced, a bug)."""
 
 
 async def send_range(scope: Scope, send: Send, fd: int, start: int, length: int,
@@ -113,18 +120,27 @@ async def send_range(scope: Scope, send: Send, fd: int, start: int, length: int,
     """The body of a blob answer whose head is sent: with sendfile on the connection's own socket
     where the request allows it (plain HTTP/1.x asking to close the connection after the answer,
     as agent/peerhttp.py asks), else in ASGI messages (send_body). Same `ready` and `sending`;
-    `idle_s` is the direct path's window for SEND_FLOOR bytes (send_direct)."""
+    `idle_s` is the direct path's window for SEND_FLOOR bytes (send_direct). An answer cut here is
+    logged with a stable code, the peer and the blob: the peer only sees its connection end."""
     sock = _direct_socket(scope)
     if sock is None:
-        with bulk_sending(scope):
-            await send_body(send, fd, start, length, ready, sending)
+        try:
+            with bulk_sending(scope):
+                await send_body(send, fd, start, length, ready, sending)
+        except FileShrank as exc:
+            _cut(scope, "blob_shrank", exc)
+            raise  # the server ends the connection: the body is short of its Content-Length
         return
     try:
         with contextlib.suppress(OSError, AttributeError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, BULK_LOWAT)
         await send_direct(sock, fd, start, length, ready, sending, idle_s)
-    except (BrokenPipeError, ConnectionResetError, TimeoutError):
-        return  # the peer went away or stopped reading: it resumes from what it verified
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the peer went away: it resumes from what it verified
+    except TimeoutError as exc:  # it stopped reading, or reads too slowly to ever finish
+        _cut(scope, "blob_reader_too_slow", exc)
+    except FileShrank as exc:
+        _cut(scope, "blob_shrank", exc)
     finally:
         # The server never saw this body: the answer ends with the connection, as the request
         # asked. A cut answer (UpstreamEnded, an error) ends it early, as a cut ASGI body does.
@@ -132,6 +148,12 @@ async def send_range(scope: Scope, send: Send, fd: int, start: int, length: int,
             sock.shutdown(socket.SHUT_RDWR)
         trio.lowlevel.notify_closing(sock)  # drops the loop's registration of this descriptor
         sock.close()
+
+
+def _cut(scope: Scope, code: str, exc: Exception) -> None:
+    client = scope.get("client") or ("?", 0)
+    log.warning("[%s] the answer to %s:%s for %s was cut after its head: %s", code, client[0], client[1],
+                scope.get("path", "?"), exc)
 
 
 def _direct_socket(scope: Scope) -> socket.socket | None:
@@ -149,7 +171,8 @@ async def send_direct(sock: socket.socket, fd: int, pos: int, left: int,
     no worker thread, which a stalled peer would hold (trio's 40 are shared with the store's work).
     The peer must take SEND_FLOOR bytes (or the rest) in every `idle_s` it is waited for, else
     TimeoutError: one reading nothing, or a byte a minute, is cut, so an answer's life is bounded by
-    its length. Time spent in `ready` (the upstream's, bounded by forward.py) is not the peer's."""
+    its length. Time spent in `ready` (the upstream's, bounded by forward.py) is not the peer's.
+    `sending(n)` is told of the n bytes each sendfile handed to the socket."""
     window_end, owed = trio.current_time() + idle_s, SEND_FLOOR
     while left:
         n = left
@@ -157,8 +180,6 @@ async def send_direct(sock: socket.socket, fd: int, pos: int, left: int,
             before = trio.current_time()
             n = min(left, await ready(pos) - pos)
             window_end += trio.current_time() - before
-        if sending is not None:
-            sending(n)
         while n:
             ask = min(n, CHUNK)  # a read from a cold disk holds the loop as long as send_body's pread does
             try:
@@ -166,8 +187,10 @@ async def send_direct(sock: socket.socket, fd: int, pos: int, left: int,
             except BlockingIOError:
                 sent = None
             if sent == 0:
-                raise OSError(f"the file shrank while being served (at {pos:,}, {n:,} bytes to go)")
+                raise FileShrank(f"the file shrank while being served (at {pos:,}, {n:,} bytes to go)")
             if sent:
+                if sending is not None:
+                    sending(sent)
                 pos, n, left, owed = pos + sent, n - sent, left - sent, owed - sent
                 if owed <= 0:
                     window_end, owed = trio.current_time() + idle_s, SEND_FLOOR

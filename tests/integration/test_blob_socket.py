@@ -11,6 +11,7 @@ being fetched goes the same way as its pieces are verified, and its answer is cu
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import socket
@@ -194,22 +195,54 @@ def test_a_closing_request_s_body_goes_by_sendfile_on_its_socket_not_through_the
 
 
 def test_a_peer_that_reads_nothing_is_cut_after_the_idle_time(
-        connection: tuple[socket.socket, socket.socket], blob: tuple[int, bytes]) -> None:
+        connection: tuple[socket.socket, socket.socket], blob: tuple[int, bytes],
+        caplog: pytest.LogCaptureFixture) -> None:
     server, client = connection
     server.setblocking(False)
     fd, data = blob
+    counted: list[int] = []
+    scope = {**closing_scope(server), "path": "/v1/blobs/" + "ab" * 32}
 
     async def main() -> None:
         with trio.fail_after(10):
-            await send_range(closing_scope(server), record, fd, 0, len(data), idle_s=0.3)
+            await send_range(scope, record, fd, 0, len(data), sending=counted.append, idle_s=0.3)
 
     async def record(message: Message) -> None:
         raise AssertionError(f"the server was handed {message['type']}")
 
-    trio.run(main)
+    with caplog.at_level(logging.WARNING, logger="fleet-agent"):
+        trio.run(main)
     got = bytearray()
     read_to_end(client, got)
     assert 0 < len(got) < len(data)  # what the buffers held, then the end of the connection
+    # Counted as the socket took them (they were counted whole before being sent), and the cut is
+    # logged with its code, the peer and the blob: the peer itself only sees its connection end.
+    assert sum(counted) == len(got)
+    (line,) = [r.getMessage() for r in caplog.records if "blob_reader_too_slow" in r.getMessage()]
+    host, port = client.getsockname()[:2]
+    assert f"{host}:{port}" in line and "ab" * 32 in line and "took under" in line
+
+
+def test_a_file_that_shrinks_while_served_ends_the_answer_and_is_logged_with_a_code(
+        connection: tuple[socket.socket, socket.socket], blob: tuple[int, bytes],
+        caplog: pytest.LogCaptureFixture) -> None:
+    server, client = connection
+    server.setblocking(False)
+    fd, data = blob
+    scope = {**closing_scope(server), "path": "/v1/blobs/" + "cd" * 32}
+    got = bytearray()
+    reader = threading.Thread(target=read_to_end, args=(client, got))
+    reader.start()
+
+    async def record(message: Message) -> None:
+        raise AssertionError(f"the server was handed {message['type']}")
+
+    with caplog.at_level(logging.WARNING, logger="fleet-agent"):
+        trio.run(send_range, scope, record, fd, 0, len(data) + 4096)  # the head promised more
+    reader.join(30)
+    assert bytes(got) == data  # what the file held, then the end of the connection
+    (line,) = [r.getMessage() for r in caplog.records if "blob_shrank" in r.getMessage()]
+    assert "cd" * 32 in line and "shrank" in line
 
 
 def test_a_peer_that_trickles_is_cut_though_it_reads_something_in_every_idle_time(
