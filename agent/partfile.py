@@ -61,6 +61,10 @@ class Beside:
         self._go = threading.Semaphore(0)
         self._done = threading.Semaphore(0)
         self._busy = False
+        self._closed = False
+        # start, join and close may come from two threads at once: a receiving thread that trio
+        # abandoned on a cancel goes on handing blocks while the fetch closes this.
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="whole-file sha256", daemon=True)
         self._thread.start()
 
@@ -73,12 +77,20 @@ class Beside:
             self._done.release()
 
     def start(self, block: bytes | bytearray | memoryview) -> None:
-        """Hash `block` beside the caller, who leaves it untouched until `join`."""
-        self.join()
-        self._block, self._busy = block, True
-        self._go.release()
+        """Hash `block` beside the caller, who leaves it untouched until `join`. After close, a
+        LocalWrite: the receiving thread of a cancelled fetch stops at its next block."""
+        with self._lock:
+            if self._closed:
+                raise LocalWrite(OSError("the fetch ended: no more blocks are taken"))
+            self._join()
+            self._block, self._busy = block, True
+            self._go.release()
 
     def join(self) -> None:
+        with self._lock:
+            self._join()
+
+    def _join(self) -> None:
         if self._busy:
             if not self._done.acquire(timeout=self.WAIT_S):
                 raise LocalWrite(OSError(f"the whole-file hash took over {self.WAIT_S:.0f} s for one block"))
@@ -91,14 +103,17 @@ class Beside:
         return str(self.whole.hexdigest())
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            try:
-                self.join()
-            except LocalWrite:
-                return  # stuck: a daemon thread, left to the process
-            self._block = None
-            self._go.release()
-            self._thread.join(self.WAIT_S)
+        """End the thread (after the block it hashes); start refuses from now on. Idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                try:
+                    self._join()
+                except LocalWrite:
+                    return  # stuck: a daemon thread, left to the process
+                self._block = None
+                self._go.release()
+        self._thread.join(self.WAIT_S)
 
 
 async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Partial, download: Download,
@@ -147,7 +162,10 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
                     f"received {b.actual}; the piece was discarded, the {b.offset:,} verified bytes before it are "
                     "kept and the next fetch resumes there", "piece_corrupt") from None
             finally:
-                await trio.to_thread.run_sync(beside.close)
+                # Shielded: a cancelled fetch (an agent stopping, a job dropped) still ends the hashing
+                # thread, which would wait for a block forever, and stops its abandoned receiver.
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(beside.close)
                 job.bytes_done -= fh.tell() - check.verified
                 fh.truncate(check.verified)  # only verified pieces are kept: a resume starts on a boundary
                 fh.flush()
