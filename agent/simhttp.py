@@ -20,12 +20,13 @@ READ = 65536
 
 
 async def _receive(sock: socket.socket) -> bytes:
+    # Read first, wait only when nothing is there: a client's request is most often in the socket
+    # by the time its connection is accepted, and a wait is a trip through trio's epoll.
     while True:
-        await trio.lowlevel.wait_readable(sock)
         try:
             return sock.recv(READ)
         except BlockingIOError:
-            continue
+            await trio.lowlevel.wait_readable(sock)
 
 
 async def _send(sock: socket.socket, data: bytes) -> None:
@@ -66,10 +67,10 @@ async def serve(app: ASGIApp, listeners: list[socket.socket]) -> None:
 async def _accept(app: ASGIApp, listening: socket.socket, nursery: trio.Nursery) -> None:
     local = listening.getsockname()[:2]
     while True:
-        await trio.lowlevel.wait_readable(listening)
         try:
             sock, peer = listening.accept()
         except BlockingIOError:
+            await trio.lowlevel.wait_readable(listening)  # waits only once the backlog is empty
             continue
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -141,7 +142,11 @@ async def _exchange(app: ASGIApp, sock: socket.socket, scope: dict[str, Any], bo
             lines = [b"HTTP/1.1 %d X" % status] + [k + b": " + v for k, v in headers]
             lines += [b"transfer-encoding: chunked"] if chunked else []
             lines += [] if keep else [b"connection: close"]
-            await _send(sock, b"\r\n".join(lines) + b"\r\n\r\n")
+            head = b"\r\n".join(lines) + b"\r\n\r\n"
+            if chunked or more:
+                await _send(sock, head)
+            else:
+                data = head + data  # a whole answer in one message goes out in one write
         if chunked:
             await _send(sock, (b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + (b"" if more else b"0\r\n\r\n"))
         elif data:

@@ -64,9 +64,10 @@ def timed(cmd: list[str], env: dict[str, str], sims: list[int]) -> tuple[float, 
     return wall, cpu, sum(cpu_of(p) for p in sims) - sim_before, proc
 
 
-def split(path: Path, secret: str, cache_dir: Path) -> str:
+def split(path: Path, secret: str, cache_dir: Path) -> tuple[str, int]:
     """CPU of each step of `fleet plan --json`, in this process (its imports already done), with
-    the observation cache in `cache_dir` (empty: cold; as a plan left it: warm)."""
+    the observation cache in `cache_dir` (empty: cold; as a plan left it: warm); and how many
+    states a 304 confirmed."""
     import trio
 
     from reconciler.client import AgentClient
@@ -107,7 +108,7 @@ def split(path: Path, secret: str, cache_dir: Path) -> str:
     n = len(loaded.desired.nodes)
     confirmed = sum(1 for name, node in observed.nodes.items() if name in held and node.weights is held[name].weights)
     return (", ".join(f"{name} {cpu * 1000 / n:.3f}" for name, cpu in steps) + " ms/node"
-            + f" ({confirmed} of {n} states confirmed by a 304)")
+            + f" ({confirmed} of {n} states confirmed by a 304)"), confirmed
 
 
 def with_agents(base: Path, n: int, processes: int, fn: Callable[[Path, list[int]], None]) -> None:
@@ -166,9 +167,14 @@ def main() -> None:
                 else:
                     print("  no warm plan counted: the agents' states changed before each of 3 plans")
                 if args.split:
-                    for kind in ("cold", "warm"):  # the same cache directory: empty first, then as cold left it
-                        print(f"  split by step, {kind} (CPU, in process): "
-                              f"{split(path, env['FLEET_CLUSTER_SECRET'], base / f'split{n}')}; {machine()}")
+                    # The same cache directory: empty first, then as cold left it. A warm split in
+                    # which some state changed (the disk's free space moved a step) is run again.
+                    for kind in ("cold", "warm", "warm", "warm"):
+                        line, confirmed = split(path, env['FLEET_CLUSTER_SECRET'], base / f'split{n}')
+                        print(f"  split by step, {kind} (CPU, in process): {line}; {machine()}"
+                              + ("" if kind == "cold" or confirmed == n else "; not a warm one: again"))
+                        if kind == "warm" and confirmed == n:
+                            break
             with_agents(base, n, args.sim_processes, plan)
         for n in [int(x) for x in args.apply_sizes.split(",") if x and int(x) > 0]:
             def apply(path: Path, sims: list[int]) -> None:
