@@ -8,7 +8,8 @@ The file is the user's own (0600 in a 0700 directory), written whole under a new
 with a checksum; one that is not ours, not only the user's, or does not check is ignored with a
 warning and rewritten. A directory that is not the user's alone is neither read nor written: anyone
 who can write there can put a link or a FIFO in the file's place (its name is predictable). The
-states held were checked against the agent-state schema when they were written, and are not again:
+states held were checked against the agent-state schema when they were written, and are not again
+(each is kept with its node's fields, observed.node_fields, rebuilt by position with no parsing):
 the file names the fleet version and the schema it was written under, and is ignored under any
 other. It holds no workers' credentials (ObservedNode.state never does)."""
 
@@ -20,7 +21,7 @@ import os
 import stat
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Collection, Mapping
 
@@ -28,24 +29,30 @@ import platformdirs
 
 from . import __version__
 from .model import Desired, NodeSpec
-from .observed import Observed, ObservedNode, node_from_state
+from .observed import (Fields, HeldModel, Observed, ObservedNode, ObservedServer, node_fields,
+                       node_from_fields)
 from .schema import schema_path
 
 DIR_ENV = "FLEET_CACHE_DIR"  # the cache directory (default: the user's cache directory for fleet)
 OFF_ENV = "FLEET_OBSERVE_CACHE"  # off (or 0, false, no): no cache is read or written
 OFF = frozenset({"off", "0", "false", "no"})
-MAGIC = b"fleet observed-states cache 1\n"
+MAGIC = b"fleet observed-states cache 2\n"
 # marshal's format is the interpreter's, and the states' shape is this fleet's and this schema's: a
 # cache written under any other is not read, only rewritten.
 _SCHEMA = hashlib.sha256(schema_path("agent-state.schema.json").read_bytes()).hexdigest()[:16]
-TAG = f"{sys.implementation.cache_tag} marshal {marshal.version} fleet {__version__} state {_SCHEMA}\n".encode()
+# Nodes are rebuilt from their fields by position (observed.node_fields): their order is part of the tag.
+_FIELDS = hashlib.sha256(";".join(",".join(f.name for f in fields(t)) for t in (ObservedNode, HeldModel, ObservedServer))
+                         .encode()).hexdigest()[:8]
+TAG = (f"{sys.implementation.cache_tag} marshal {marshal.version} fleet {__version__} state {_SCHEMA} "
+       f"nodes {_FIELDS}\n").encode()
 IGNORED = "observed_cache_ignored"  # the stable codes of the cache's warnings
 NOT_KEPT = "observed_cache_not_kept"
 MAX_BYTES = 256 << 20  # a fleet's states past this are not kept (the next run asks for all of them whole)
 
 Warn = Callable[[str], None]  # takes "[code] message"
-# (where the agent was asked: "ADDRESS:PORT tls|plain", its state[, True: its agent is asked plainly])
-Entry = tuple[str, dict[str, Any]] | tuple[str, dict[str, Any], bool]
+# (where the agent was asked: "ADDRESS:PORT tls|plain", its state, the node's fields (observed.node_fields)
+# or True: its agent is asked plainly)
+Entry = tuple[str, dict[str, Any], Fields | bool]
 
 
 def _where(spec: NodeSpec) -> str:
@@ -86,10 +93,10 @@ class ObservationCache:
             for name, spec in desired.nodes.items():
                 entry = entries.get(name)
                 if entry is not None and entry[0] == _where(spec):
-                    if len(entry) == 3:
+                    if entry[2] is True:
                         self.plain[name] = (str(entry[1].get("agent_version", "")), entry[1]["generation"])
                     else:
-                        held[name] = node_from_state(name, entry[1])
+                        held[name] = node_from_fields(name, entry[1], entry[2])
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             # Only another fleet's states could fail here (the tag says whose they are): none is used.
             self._ignored(f"the state held for {name!r} does not parse: {type(exc).__name__} {exc}")
@@ -114,10 +121,10 @@ class ObservationCache:
                 if name in bare or (was is not None and was[0] == state.get("agent_version", "")):
                     entries[name] = (_where(desired.nodes[name]), state, True)
                 else:
-                    entries[name] = (_where(desired.nodes[name]), state)
-        if held is not None and {n for n, e in entries.items() if len(e) == 2} == held.keys() and all(
+                    entries[name] = (_where(desired.nodes[name]), state, node_fields(node))
+        if held is not None and {n for n, e in entries.items() if e[2] is not True} == held.keys() and all(
                 entries[name][1].get("generation") == node.generation for name, node in held.items()) and {
-                n for n, e in entries.items() if len(e) == 3} == self.plain.keys() and all(
+                n for n, e in entries.items() if e[2] is True} == self.plain.keys() and all(
                 entries[name][1].get("generation") == generation for name, (_, generation) in self.plain.items()):
             return  # the file already holds these states (their moving values aside, which a 304 brings)
         payload = marshal.dumps(entries)
@@ -197,6 +204,6 @@ def _private_directory(path: Path) -> None:
 
 
 def _entry(name: object, value: object) -> bool:
-    return (isinstance(name, str) and isinstance(value, tuple) and len(value) in (2, 3) and isinstance(value[0], str)
+    return (isinstance(name, str) and isinstance(value, tuple) and len(value) == 3 and isinstance(value[0], str)
             and isinstance(value[1], dict) and isinstance(value[1].get("generation"), str)
-            and value[2:] in ((), (True,)))
+            and (value[2] is True or isinstance(value[2], tuple)))

@@ -9,6 +9,7 @@ import hashlib
 import marshal
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 from reconciler import __version__, obscache
 from reconciler.model import ControlPlaneSpec, Desired, NodeSpec
 from reconciler.obscache import ObservationCache
-from reconciler.observed import Observed, node_from_state
+from reconciler.observed import Observed, fingerprint, node_fields, node_from_state
 from reconciler.schema import schema_path
 
 NODE = NodeSpec(name="n", address="127.0.0.1", agent_port=7070)
@@ -42,15 +43,19 @@ def test_the_tag_names_the_fleet_version_and_the_state_schema() -> None:
     assert f"fleet {__version__} ".encode() in obscache.TAG and schema.encode() in obscache.TAG
 
 
-@pytest.mark.parametrize("state", [
-    {"generation": "g", "weights": [{}]},  # a weights entry without its digest
-    {"generation": "g", "inventory": []},
-    {"generation": "g", "servers": [{"port": "x"}]},
-], ids=["weights-without-digest", "inventory-a-list", "server-without-id"])
-def test_states_that_do_not_parse_are_ignored_with_a_warning(tmp_path: Path, state: dict[str, Any]) -> None:
+FIELDS = node_fields(SEEN.nodes["n"])
+
+
+@pytest.mark.parametrize("fields", [
+    FIELDS[:3],  # too few
+    FIELDS[:8] + ("not a mapping",) + FIELDS[9:],  # the weights
+    FIELDS[:8] + ({"sha256:x": ("sha256:x",)},) + FIELDS[9:],  # a weights entry short of its fields
+    FIELDS[:10] + ({"s": (1, 2, 3, 4, 5, 6, 7, 8, 9)},) + FIELDS[11:],  # a server with too many
+], ids=["too-few", "weights-not-a-mapping", "weights-entry-short", "server-too-long"])
+def test_nodes_that_do_not_rebuild_are_ignored_with_a_warning(tmp_path: Path, fields: tuple[Any, ...]) -> None:
     warnings: list[str] = []
     cache = cache_in(tmp_path / "observed", warnings)
-    written(cache.path, {"n": ("127.0.0.1:7070 plain", state)})
+    written(cache.path, {"n": ("127.0.0.1:7070 plain", {"generation": "g" * 32}, fields)})
     assert cache.load(DESIRED) == {}
     assert len(warnings) == 1 and warnings[0].startswith(f"[{obscache.IGNORED}]") and "'n'" in warnings[0]
 
@@ -72,7 +77,7 @@ def test_a_link_in_the_files_place_is_not_followed(tmp_path: Path) -> None:
     warnings: list[str] = []
     cache = cache_in(tmp_path / "observed", warnings)
     elsewhere = tmp_path / "elsewhere.bin"
-    written(elsewhere, {"n": ("127.0.0.1:7070 plain", {"generation": "g"})})
+    written(elsewhere, {"n": ("127.0.0.1:7070 plain", {"generation": "g"}, FIELDS)})
     cache.path.symlink_to(elsewhere)
     assert cache.load(DESIRED) == {} and len(warnings) == 1 and warnings[0].startswith(f"[{obscache.IGNORED}]")
 
@@ -102,3 +107,25 @@ def test_a_temporary_file_a_killed_run_left_is_not_in_the_way(tmp_path: Path) ->
 def test_the_cache_is_turned_off_by_any_usual_no(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv(obscache.OFF_ENV, value)
     assert ObservationCache.for_file(tmp_path / "fleet.yaml", print) is None
+
+
+def test_a_node_rebuilt_from_its_fields_is_the_node_its_state_makes(tmp_path: Path) -> None:
+    state = {"generation": "a" * 32, "identity": {"id": "i"}, "observed_at": "2026-01-01T00:00:00+00:00",
+             "agent_version": "1", "variant": {"accelerator": "cuda"},
+             "inventory": {"disk": {"free_bytes": 5, "reserve_bytes": 1, "path": "/h"}, "simulated": True,
+                           "gpus": [{"name": "G", "memory_free_bytes": 2, "memory_total_bytes": 3}]},
+             "availability": {"inside": False, "windows": ["01:00-02:00"]},
+             "weights": [{"digest": "sha256:w", "format": "gguf", "bytes": 7, "slice": {"of": "sha256:m", "layers": "0-1"},
+                          "integrity": {"state": "corrupt", "file": "f", "reason": "r"},
+                          "encryption": {"key_held": False, "key_id": "k"}}],
+             "fetches": [{"digest": "sha256:f"}],
+             "servers": [{"id": "s", "state": "running", "model": "sha256:w", "port": 9000, "settings": {"a": {"b": 1}},
+                          "reason": "why", "pipeline": {"group": "g"}, "credential": "secret"}]}
+    node = node_from_state("n", state)
+    cache = cache_in(tmp_path / "observed", [])
+    cache.save(DESIRED, Observed({"n": node}))
+    assert "secret" not in cache.path.read_text(errors="replace")  # no workers' credentials kept
+    held = cache.load(DESIRED)["n"]
+    assert held == replace(node, servers={"s": replace(node.servers["s"], credential="")})
+    assert held.fingerprint == node.fingerprint == fingerprint(state) and held.state == node.state
+    assert (held.generation, held.known_fingerprint) == (node.generation, node.known_fingerprint)
