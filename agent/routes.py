@@ -255,10 +255,8 @@ class Node:
         return JSONResponse({"status": "ok"})
 
     async def state(self, request: Request) -> Response:
-        from .app import generation  # app imports this module
-
         state = self.ctx.state()
-        tag = generation(state)
+        tag = self.ctx.generations(state)
         etag = f'"{tag}"'
         # The control plane asks again with the generation it holds: unchanged, it gets no body,
         # only the values a generation leaves out (wire/live.py), so what it holds is brought up to now.
