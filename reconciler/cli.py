@@ -66,12 +66,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .demo import cmd_demo  # imported on use: the demo pulls in nothing the other commands need
 
         return cmd_demo(args)
-    from . import commands, tables
+    if name in ("unlock", "nodes", "alerts"):  # the state directory's tables: nothing of plan's
+        from . import tables
 
-    if name == "unlock":
-        return tables.cmd_unlock(args)
-    module = tables if name in ("nodes", "alerts") else commands
-    return int(getattr(module, f"cmd_{name}")(args, config_path(args)))
+        if name == "unlock":
+            return tables.cmd_unlock(args)
+        return int(getattr(tables, f"cmd_{name}")(args, config_path(args)))
+    from . import commands
+
+    return int(getattr(commands, f"cmd_{name}")(args, config_path(args)))
 
 
 def _usage_error(exc: UsageError, argv: Sequence[str]) -> int:
