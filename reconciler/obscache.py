@@ -36,7 +36,7 @@ from .schema import schema_path
 DIR_ENV = "FLEET_CACHE_DIR"  # the cache directory (default: the user's cache directory for fleet)
 OFF_ENV = "FLEET_OBSERVE_CACHE"  # off (or 0, false, no): no cache is read or written
 OFF = frozenset({"off", "0", "false", "no"})
-MAGIC = b"fleet observed-states cache 2\n"
+MAGIC = b"fleet observed-states cache 1\n"
 # marshal's format is the interpreter's, and the states' shape is this fleet's and this schema's: a
 # cache written under any other is not read, only rewritten.
 _SCHEMA = hashlib.sha256(schema_path("agent-state.schema.json").read_bytes()).hexdigest()[:16]
