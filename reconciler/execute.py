@@ -266,9 +266,12 @@ class Executor:
         seen: list[tuple[float, int]] = []  # (when, bytes_done) of the last answer
 
         def pause(state: dict[str, Any] | None) -> float:
-            now, done = self.clock(), int((state or {}).get("bytes_done") or 0)
-            left = int((state or {}).get("bytes_total") or 0) - done
-            rate = float((state or {}).get("rate_bytes_per_s") or 0)
+            try:  # an agent's figures, not checked by a schema: anything else is asked about every poll_s
+                now, done = self.clock(), int((state or {}).get("bytes_done") or 0)
+                left = int((state or {}).get("bytes_total") or 0) - done
+                rate = float((state or {}).get("rate_bytes_per_s") or 0)
+            except (TypeError, ValueError, OverflowError):
+                return self.poll_s
             if seen and now > seen[0][0]:
                 rate = max(rate, (done - seen[0][1]) / (now - seen[0][0]))
             seen[:] = [(now, done)]

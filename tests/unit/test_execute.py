@@ -370,3 +370,15 @@ def test_a_fetch_whose_rate_rises_is_asked_about_by_its_recent_rate() -> None:
         return trio.current_time()
     ended = trio.run(go, clock=trio.testing.MockClock(autojump_threshold=0))
     assert ended - 30.0 <= 0.26
+
+
+def test_a_fetch_whose_agent_reports_figures_that_are_not_numbers_is_asked_about_every_poll() -> None:
+    class Garbled(FakeClient):
+        async def weights(self, node: NodeSpec, digest: str) -> dict[str, Any] | None:
+            answer = await super().weights(node, digest)
+            if answer is not None and answer["state"] == "fetching":
+                answer = {**answer, "bytes_total": "lots", "rate_bytes_per_s": [1]}
+            return answer
+
+    result = one(REPLICATE, Garbled())
+    assert result.status == "done" and "holds" in result.message
