@@ -1,11 +1,20 @@
-"""Per-piece hashes of a file (pure): computed at import, checked by a receiver as bytes land.
+"""Piece digests of a file (pure): computed at import, checked by a receiver as bytes land.
 
-A file larger than one piece carries `piece_bytes` and `pieces` (the sha256 of each fixed-size piece,
-the last one shorter) in its manifest entry. The list is part of the manifest, and the manifest is
-pinned by the model's digest (the sha256 of its canonical JSON), which the plan names and the
-receiver checks before it acts on the manifest: a peer cannot forge a piece hash without changing
-the digest the receiver asked for. The whole file's sha256 stays in the entry and is checked at
-the end too, so pieces add early detection and forwarding, never a weaker pin.
+A file larger than one piece carries `piece_bytes` and one list in its manifest entry: `prefixes`
+(imports from now on), the sha256 of the file's bytes [0, (k+1)*piece_bytes) for each piece k, the
+last therefore the file's own sha256 (check_entry requires it); or `pieces` (manifests written
+before: their digests are pinned in fleet files, so they are still read and checked as they were),
+the sha256 of each piece on its own. Never both. The list is part of the manifest, and the manifest
+is pinned by the model's digest (the sha256 of its canonical JSON), which the plan names and the
+receiver checks before it acts on the manifest: a peer cannot forge an entry without changing the
+digest the receiver asked for.
+
+A prefix digest verifies piece k given pieces 0..k-1: those were verified the same way, and finding
+other bytes for piece k with the same prefix digest is a sha256 collision (or second preimage).
+So a receiver keeps one running sha256 over the file in order, compares a copy's digest at each
+boundary (a copy and one padding block: nothing) and forwards the piece at once; at the end the
+running hash is the file's sha256, checked as before. One pass per byte where `pieces` took two
+(each piece's own hash, then the whole file's): 0.7 CPU-s per GiB less on every receiver here.
 
 Why 16 MiB: a chain forwards a piece only once it is verified, so each hop adds about one piece's
 transfer time (0.14 s at 1 Gbit/s; eight hops add ~1.1 s to a 1 GiB copy's 9 s), while a 140 GB
@@ -27,22 +36,37 @@ def count(size: int, piece_bytes: int) -> int:
 
 
 def entry_fields(size: int, pieces: list[str], piece_bytes: int) -> dict[str, Any]:
-    """What a file's manifest entry carries about its pieces: nothing for a file of one piece
-    (its sha256 is that piece's hash already)."""
+    """What a file's manifest entry carried about its pieces before prefixes (tests and old
+    manifests): nothing for a file of one piece (its sha256 is that piece's hash already)."""
     return {"piece_bytes": piece_bytes, "pieces": pieces} if size > piece_bytes else {}
+
+
+def prefix_fields(size: int, prefixes: list[str], piece_bytes: int) -> dict[str, Any]:
+    """What a file's manifest entry carries about its pieces: nothing for a file of one piece."""
+    return {"piece_bytes": piece_bytes, "prefixes": prefixes} if size > piece_bytes else {}
+
+
+def listed(f: dict[str, Any]) -> bool:
+    """Whether a (valid) manifest entry can be verified and forwarded piece by piece."""
+    return "prefixes" in f or "pieces" in f
 
 
 def check_entry(f: dict[str, Any], hex_re: Any) -> str | None:
     """What is wrong with a manifest entry's piece list, or None (an entry without one is fine)."""
-    if "pieces" not in f and "piece_bytes" not in f:
+    if "pieces" not in f and "prefixes" not in f and "piece_bytes" not in f:
         return None
-    n, pieces = f.get("piece_bytes"), f.get("pieces")
+    if "pieces" in f and "prefixes" in f:
+        return "pieces and prefixes are two forms of one list: an entry carries one of them, not both"
+    key = "prefixes" if "prefixes" in f else "pieces"
+    n, hashes = f.get("piece_bytes"), f.get(key)
     if not isinstance(n, int) or isinstance(n, bool) or not MIN_PIECE <= n <= MAX_PIECE:
         return f"piece_bytes must be an integer from {MIN_PIECE} to {MAX_PIECE}"
-    if not isinstance(pieces, list) or len(pieces) != count(f["size"], n):
-        return f"pieces must list {count(f['size'], n)} hashes for {f['size']} bytes in pieces of {n}"
-    if not all(isinstance(p, str) and hex_re.match(p) for p in pieces):
-        return "every piece hash must be 64 lowercase hex digits"
+    if not isinstance(hashes, list) or len(hashes) != count(f["size"], n):
+        return f"{key} must list {count(f['size'], n)} hashes for {f['size']} bytes in pieces of {n}"
+    if not all(isinstance(p, str) and hex_re.match(p) for p in hashes):
+        return f"every {'prefix' if key == 'prefixes' else 'piece'} hash must be 64 lowercase hex digits"
+    if key == "prefixes" and hashes[-1] != f.get("sha256"):
+        return "the last prefix is the whole file, so its hash must be the file's sha256"
     return None
 
 
@@ -80,14 +104,16 @@ class BadPiece:
     length: int
     expected: str
     actual: str
+    prefix: bool = False  # expected/actual are the digests of bytes [0, offset + length), not of the piece
 
 
 class BadPieceError(Exception):
     """A piece that does not hash to its manifest's entry; its bytes must be discarded."""
 
     def __init__(self, bad: BadPiece) -> None:
-        super().__init__(f"piece {bad.index} (bytes {bad.offset}-{bad.offset + bad.length - 1}) hashes to "
-                         f"sha256 {bad.actual}, not {bad.expected}")
+        what = f"bytes 0-{bad.offset + bad.length - 1} then hash" if bad.prefix else "it hashes"
+        super().__init__(f"piece {bad.index} (bytes {bad.offset}-{bad.offset + bad.length - 1}) is corrupt: {what} "
+                         f"to sha256 {bad.actual}, not {bad.expected}")
         self.bad = bad
 
 
@@ -124,3 +150,75 @@ class Checker:
                     raise BadPieceError(BadPiece(index, self.verified, self._end() - self.verified,
                                                  self.pieces[index], actual))
                 self.verified = self._at
+
+
+class PrefixHasher:
+    """The sha256 of each prefix of a stream ending on a piece boundary (the last at its end), and
+    the whole stream's sha256, in one pass, fed in chunks of any size."""
+
+    def __init__(self, piece_bytes: int = PIECE_BYTES) -> None:
+        self.piece_bytes = piece_bytes
+        self.prefixes: list[str] = []
+        self._h = hashlib.sha256()
+        self._left = piece_bytes
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data)
+        while len(view):
+            take = min(self._left, len(view))
+            self._h.update(view[:take])
+            self._left -= take
+            view = view[take:]
+            if self._left == 0:
+                self.prefixes.append(self._h.copy().hexdigest())
+                self._left = self.piece_bytes
+
+    def finish(self) -> tuple[list[str], str]:
+        """(the prefix digests, the whole stream's sha256); an empty stream has no prefix."""
+        whole = self._h.hexdigest()
+        if self._left != self.piece_bytes:
+            self.prefixes.append(whole)
+            self._left = self.piece_bytes
+        return self.prefixes, whole
+
+
+class PrefixChecker:
+    """Checks a file's prefix digests as its bytes arrive from `start` (a piece boundary, with
+    `running` the sha256 of the bytes before it) on: the one hash of each byte, the whole file's
+    at the end. `verified` is the length of the file's good prefix; after a bad piece the hash is
+    back where that prefix ends, so the piece can be fed again."""
+
+    def __init__(self, prefixes: list[str], piece_bytes: int, size: int, start: int = 0,
+                 running: Any = None) -> None:
+        assert start % piece_bytes == 0 or start == size, "a check starts on a piece boundary"
+        self.prefixes, self.piece_bytes, self.size = prefixes, piece_bytes, size
+        self.verified = start
+        self._h = running if running is not None else hashlib.sha256()
+        self._good = self._h.copy()  # the hash at `verified`: what a bad piece falls back to
+        self._at = start
+
+    def _end(self) -> int:
+        return min(self.verified + self.piece_bytes, self.size)
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed bytes; raises BadPieceError at the first piece whose prefix does not match."""
+        view = memoryview(data)
+        if len(view) > self.size - self._at:
+            raise ValueError(f"{len(view)} bytes fed past the file's end ({self.size - self._at} left)")
+        while len(view):
+            take = min(self._end() - self._at, len(view))
+            self._h.update(view[:take])
+            self._at += take
+            view = view[take:]
+            if self._at == self._end():
+                index = self.verified // self.piece_bytes
+                actual = self._h.copy().hexdigest()
+                if actual != self.prefixes[index]:
+                    self._at, self._h = self.verified, self._good.copy()
+                    raise BadPieceError(BadPiece(index, self.verified, self._end() - self.verified,
+                                                 self.prefixes[index], actual, prefix=True))
+                self.verified, self._good = self._at, self._h.copy()
+
+    def hexdigest(self) -> str:
+        """The sha256 of the bytes verified so far: the whole file's once `verified` is its size."""
+        return str(self._good.hexdigest())

@@ -20,7 +20,8 @@ def reference(data: bytes, n: int) -> list[str]:
     return [hashlib.sha256(data[i:i + n]).hexdigest() for i in range(0, len(data), n)]
 
 
-def feed(target: pieces.Hasher | pieces.Checker, data: bytes, cuts: list[int]) -> None:
+def feed(target: pieces.Hasher | pieces.Checker | pieces.PrefixHasher | pieces.PrefixChecker, data: bytes,
+         cuts: list[int]) -> None:
     at = 0
     for cut in sorted(set(cuts)) + [len(data)]:
         target.update(data[at:cut])
@@ -98,4 +99,70 @@ def test_a_manifest_carries_its_pieces_and_its_digest_pins_them() -> None:
 ], ids=["count", "too-small", "uppercase", "no-size", "bool"])
 def test_a_piece_list_that_does_not_fit_is_refused(extra: dict[str, object], wrong: str) -> None:
     with pytest.raises(mf.ManifestError, match=wrong):
+        mf.validate(manifest(entry(**extra)))
+
+
+def prefixes_of(data: bytes, n: int) -> list[str]:
+    return [hashlib.sha256(data[:min(i + n, len(data))]).hexdigest() for i in range(0, len(data), n)]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, len(DATA)), max_size=6))
+def test_prefix_digests_and_the_sha256_come_from_one_pass_for_any_cut(cuts: list[int]) -> None:
+    h = pieces.PrefixHasher(P)
+    feed(h, DATA, cuts)
+    listed, whole = h.finish()
+    assert listed == prefixes_of(DATA, P) and whole == hashlib.sha256(DATA).hexdigest() == listed[-1]
+    c = pieces.PrefixChecker(listed, P, len(DATA))
+    feed(c, DATA, cuts)
+    assert c.verified == len(DATA) and c.hexdigest() == whole
+
+
+@pytest.mark.parametrize("flip", [0, P - 1, P, 2 * P + 7, len(DATA) - 1], ids=lambda n: f"byte{n}")
+def test_a_flipped_byte_names_its_piece_and_the_hash_goes_back_to_the_good_prefix(flip: int) -> None:
+    bad = bytearray(DATA)
+    bad[flip] ^= 1
+    index = flip // P
+    c = pieces.PrefixChecker(prefixes_of(DATA, P), P, len(DATA))
+    with pytest.raises(pieces.BadPieceError) as err:
+        c.update(bytes(bad))
+    assert err.value.bad.index == index and err.value.bad.offset == index * P and err.value.bad.prefix
+    assert err.value.bad.expected == prefixes_of(DATA, P)[index]
+    assert err.value.bad.actual == hashlib.sha256(bytes(bad[:(index + 1) * P])).hexdigest()
+    assert c.verified == index * P and f"piece {index} " in str(err.value)
+    c.update(DATA[index * P:])  # the good piece fed again verifies: the running hash was restored
+    assert c.verified == len(DATA) and c.hexdigest() == hashlib.sha256(DATA).hexdigest()
+
+
+def test_a_prefix_check_resumes_from_the_running_hash_of_the_held_bytes() -> None:
+    held = hashlib.sha256(DATA[:2 * P])
+    c = pieces.PrefixChecker(prefixes_of(DATA, P), P, len(DATA), start=2 * P, running=held)
+    c.update(DATA[2 * P:])
+    assert c.verified == len(DATA)
+    wrong = pieces.PrefixChecker(prefixes_of(DATA, P), P, len(DATA), start=2 * P)  # no running hash: a fresh one
+    with pytest.raises(pieces.BadPieceError):
+        wrong.update(DATA[2 * P:])
+
+
+def test_a_forged_prefix_is_caught_and_moves_the_digest() -> None:
+    good = manifest(entry(**pieces.prefix_fields(len(DATA), prefixes_of(DATA, P), P)))
+    assert mf.validate(good) is good
+    forged_list = [prefixes_of(DATA, P)[0][::-1]] + prefixes_of(DATA, P)[1:]
+    forged = manifest(entry(**pieces.prefix_fields(len(DATA), forged_list, P)))
+    assert mf.validate(forged) and mf.digest_of(forged) != mf.digest_of(good)
+    with pytest.raises(pieces.BadPieceError, match="piece 0 "):
+        pieces.PrefixChecker(forged_list, P, len(DATA)).update(DATA)
+    assert pieces.prefix_fields(P, prefixes_of(DATA[:P], P), P) == {}
+
+
+@pytest.mark.parametrize("extra,wrong", [
+    ({"piece_bytes": P, "prefixes": ["a" * 64]}, "prefixes must list 4 hashes"),
+    ({"piece_bytes": P, "prefixes": ["A" * 64] * 4}, "every prefix hash must be 64 lowercase hex"),
+    ({"piece_bytes": P, "prefixes": ["a" * 64] * 4}, "the last prefix is the whole file"),
+    ({"prefixes": ["a" * 64] * 4}, "piece_bytes must be"),
+    ({"piece_bytes": P, "prefixes": prefixes_of(DATA, P), "pieces": reference(DATA, P)},
+     "pieces and prefixes are two forms of one list: an entry carries one of them, not both"),
+], ids=["count", "uppercase", "last-not-sha256", "no-size", "both"])
+def test_a_prefix_list_that_does_not_fit_is_refused(extra: dict[str, object], wrong: str) -> None:
+    with pytest.raises(mf.ManifestError, match=f"file 'm.gguf': {wrong}"):
         mf.validate(manifest(entry(**extra)))
