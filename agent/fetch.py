@@ -22,6 +22,7 @@ from typing import Any, Callable
 import trio
 
 from wire import manifest as mf
+from wire import pieces
 from wire.layers import LayerRange
 from wire.state import FetchJob
 
@@ -251,7 +252,7 @@ class Fetcher:
                         job.bytes_done += f["size"]
                         continue
                     partial = forwarded.get(f["sha256"])
-                    if "pieces" in f and partial is not None:
+                    if pieces.listed(f) and partial is not None:
                         await self._assemble_pieced(job, self._part(job, f), f, partial)
                         continue
                     seg = Segment(f"file {f['path']}", f["size"], f["sha256"], blob=f["sha256"])

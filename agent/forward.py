@@ -2,7 +2,7 @@
 prefix, and a request for bytes not there yet waits for them, bounded by the upstream's progress.
 
 A receiver in a chain (reconciler/fanout.py) serves its downstream from its partial file; the bytes
-it serves have passed their piece's hash (wire/pieces.py), so a corrupt piece is never forwarded. A
+it serves have passed their piece's check (wire/pieces.py), so a corrupt piece is never forwarded. A
 file without pieces (imported before them, or smaller than one piece) is forwarded once it is whole
 and verified. A wait ends when the file is complete, when its fetch fails (the connection is cut:
 the downstream keeps what it verified and resumes), or when the upstream receives nothing for

@@ -1,5 +1,5 @@
 """Importing a local model into the store: an HF directory or one GGUF file, each file read once for
-its sha256, each safetensors tensor's sha256 and the copy (plain, hard-linked, or sealed under the
+its prefix digests (whose running hash ends as its sha256), each safetensors tensor's sha256 and the copy (plain, hard-linked, or sealed under the
 node's key: agent/sealed.py), then committed as any model is. The original is never modified."""
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ def _import_file(store: Store, path: Path, rel: str, *, link: bool,
              key: Key | None = None, piece_bytes: int = pieces.PIECE_BYTES) -> tuple[dict[str, Any], str]:
     """The file's manifest entry (its plaintext's hashes) and the sha256 it is stored under."""
     size = path.stat().st_size
-    whole = hashlib.sha256()
-    piece_hashes = pieces.Hasher(piece_bytes)
+    prefixes = pieces.PrefixHasher(piece_bytes)  # one running hash: each piece's prefix, then the whole file
     tensors: list[dict[str, Any]] = []
     tmp = store.partial / f".import-{os.getpid()}-{hashlib.sha256(rel.encode()).hexdigest()[:16]}"
     with open(path, "rb") as fh, (open(os.devnull, "wb") if link else open(tmp, "wb")) as raw:
@@ -81,14 +80,13 @@ def _import_file(store: Store, path: Path, rel: str, *, link: bool,
             except mf.ManifestError as exc:
                 raise StoreError(f"{path}: {exc}") from None
             fh.seek(0)
-        # One pass: the whole-file hash, each tensor's hash, and the copy.
+        # One pass: the prefix digests and whole-file hash, each tensor's hash, and the copy.
         bounds = iter(tensors)
         cur = next(bounds, None)
         th = hashlib.sha256()
         pos = 0
         while chunk := fh.read(CHUNK):
-            whole.update(chunk)
-            piece_hashes.update(chunk)
+            prefixes.update(chunk)
             out.write(chunk)
             view, at = memoryview(chunk), pos
             while cur is not None and at < pos + len(chunk):
@@ -110,7 +108,7 @@ def _import_file(store: Store, path: Path, rel: str, *, link: bool,
             os.fsync(raw.fileno())
     for t in tensors:  # zero-length tensors never met a byte
         t.setdefault("sha256", hashlib.sha256(b"").hexdigest())
-    sha = whole.hexdigest()
+    listed, sha = prefixes.finish()
     dest = store.sealed_path(stored) if stored is not None else store.blob_path(sha)
     if dest.exists():
         tmp.unlink(missing_ok=True)
@@ -119,7 +117,7 @@ def _import_file(store: Store, path: Path, rel: str, *, link: bool,
     else:
         os.replace(tmp, dest)
     entry: dict[str, Any] = {"path": rel, "size": size, "sha256": sha,
-                             **pieces.entry_fields(size, piece_hashes.finish(), piece_bytes)}
+                             **pieces.prefix_fields(size, listed, piece_bytes)}
     if rel.endswith(".safetensors"):
         entry["tensors"] = tensors
     return entry, stored or sha

@@ -46,18 +46,22 @@ class Counters(Protocol):
 
 
 class Beside:
-    """The whole file's sha256, computed in a thread of its own beside the receiving one: hashlib
-    releases the GIL, so the two hashes of each byte (its piece's and the file's) run on two cores.
-    In one thread they halved a fetch here (212 to 112 MB/s on loopback, bench/replication.py).
-    The receiver's block is hashed where it lies, no copy: `start` hands it over and `join` waits
-    until the hash is done with it, before the receiver reuses the block (one hand-over a block:
-    a copy of each block and a queue operation a recv cost the receiver 0.2-0.3 CPU-s per GiB)."""
+    """The file's hashing, in a thread of its own beside the receiving one (hashlib releases the
+    GIL): the one running hash that checks each prefix digest and ends as the file's sha256
+    (wire/pieces.py PrefixChecker), or, for a manifest with `pieces`, the whole file's sha256 while
+    the receiver checks each piece's own. Hashing in the receiving thread halved a fetch here (212
+    to 112 MB/s on loopback with both hashes, bench/replication.py). The receiver's block is hashed
+    where it lies, no copy: `start` hands it over and `join` waits until the hash is done with it,
+    before the receiver reuses the block (one hand-over a block: a copy of each block and a queue
+    operation a recv cost the receiver 0.2-0.3 CPU-s per GiB). What the hash raises (a bad piece)
+    comes out of the `join` after it."""
 
     WAIT_S = 60.0  # a hasher this far behind is a stuck machine: the fetch fails (and resumes)
 
     def __init__(self, whole: Any) -> None:
         self.whole = whole
         self._block: bytes | bytearray | memoryview | None = None
+        self._error: Exception | None = None
         self._go = threading.Semaphore(0)
         self._done = threading.Semaphore(0)
         self._busy = False
@@ -73,7 +77,10 @@ class Beside:
             self._go.acquire()
             if (block := self._block) is None:
                 return
-            self.whole.update(block)
+            try:
+                self.whole.update(block)
+            except Exception as exc:  # handed to the receiver, whose join raises it
+                self._error = exc
             self._done.release()
 
     def start(self, block: bytes | bytearray | memoryview) -> None:
@@ -95,6 +102,9 @@ class Beside:
             if not self._done.acquire(timeout=self.WAIT_S):
                 raise LocalWrite(OSError(f"the whole-file hash took over {self.WAIT_S:.0f} s for one block"))
             self._busy, self._block = False, None
+            if (error := self._error) is not None:
+                self._error = None
+                raise error
 
     def hexdigest(self) -> str:
         self.close()
@@ -111,6 +121,8 @@ class Beside:
                     self._join()
                 except LocalWrite:
                     return  # stuck: a daemon thread, left to the process
+                except (pieces.BadPieceError, ValueError):
+                    pass  # the receiver's fetch is ending already; the hash said why
                 self._block = None
                 self._go.release()
         self._thread.join(self.WAIT_S)
@@ -121,20 +133,27 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
     """Fetch the file `f` (a manifest entry with a piece list) into `part`: each piece checked as it
     lands, then published to `partial` (served to peers); the whole file checked at the end."""
     size, piece_bytes, sha = f["size"], f["piece_bytes"], f["sha256"]
-    whole = hashlib.sha256()
+    prefixed = "prefixes" in f
     fh, have = await trio.to_thread.run_sync(open_part, part, size)
     with fh:
-        # What an earlier attempt left: whole pieces that still verify are kept; a torn or bad
-        # tail is cut off and fetched again (at most one piece for a clean break).
-        good = await trio.to_thread.run_sync(good_pieces, fh, f["pieces"], piece_bytes, size, whole) if have else 0
+        # What an earlier attempt left: whole pieces that still verify are kept (read once, hashed
+        # once); a torn or bad tail is cut off and fetched again (at most one piece for a clean break).
+        check: pieces.PrefixChecker | pieces.Checker
+        if prefixed:
+            good, running = await trio.to_thread.run_sync(good_prefix, fh, f["prefixes"], piece_bytes, size)
+            check = pieces.PrefixChecker(f["prefixes"], piece_bytes, size, good, running)
+            beside = Beside(check)  # the one running hash, on the other core: it checks and ends as the sha256
+        else:
+            whole = hashlib.sha256()
+            good = await trio.to_thread.run_sync(good_pieces, fh, f["pieces"], piece_bytes, size, whole) if have else 0
+            check = pieces.Checker(f["pieces"], piece_bytes, size, good)
+            beside = Beside(whole)
         fh.truncate(good)
         job.bytes_done += good
         partial.verified = good
-        check = pieces.Checker(f["pieces"], piece_bytes, size, good)
-        beside = Beside(whole)
 
         def take(chunk: bytes | bytearray | memoryview) -> None:
-            beside.start(chunk)  # the whole file's hash, on the other core, while this one works
+            beside.start(chunk)  # hashed on the other core while this one writes
             try:
                 try:
                     fh.write(chunk)
@@ -142,13 +161,13 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
                     raise LocalWrite(exc) from None
                 job.bytes_done += len(chunk)
                 job.bytes_fetched += len(chunk)
-                before = check.verified
-                check.update(chunk)
-                if check.verified != before:
-                    fh.flush()  # what peers read must be in the file before they are told it is there
-                    partial.verified = check.verified
+                if not prefixed:
+                    check.update(chunk)
             finally:
-                beside.join()  # the caller reuses the block when this returns
+                beside.join()  # the caller reuses the block when this returns; a bad prefix raises here
+            if check.verified != partial.verified:
+                fh.flush()  # what peers read must be in the file before they are told it is there
+                partial.verified = check.verified
 
         if good < size:
             fh.seek(good)
@@ -156,9 +175,10 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
                 await download(f"/v1/blobs/{sha}", good, size - 1, take)
             except pieces.BadPieceError as exc:
                 b = exc.bad
+                of = f"the sha256 of bytes 0-{b.offset + b.length - 1:,} " if b.prefix else "sha256 "
                 raise FetchError(
                     f"piece {b.index} of {f['path']} in {job.digest} (bytes {b.offset:,}-{b.offset + b.length - 1:,}) "
-                    f"from peer {job.peer} is corrupt on arrival at node {node!r}: expected sha256 {b.expected}, "
+                    f"from peer {job.peer} is corrupt on arrival at node {node!r}: expected {of}{b.expected}, "
                     f"received {b.actual}; the piece was discarded, the {b.offset:,} verified bytes before it are "
                     "kept and the next fetch resumes there", "piece_corrupt") from None
             finally:
@@ -198,6 +218,23 @@ def rehash(fh: IO[bytes], pos: int, count: int, hashers: list[Any]) -> None:
         for x in hashers:
             x.update(chunk)
         count -= len(chunk)
+
+
+def good_prefix(fh: IO[bytes], prefixes: list[str], piece_bytes: int, size: int) -> tuple[int, Any]:
+    """How many bytes at the file's start end on a boundary whose prefix digest matches, and the
+    running sha256 of those bytes (a resume goes on from it)."""
+    fh.seek(0)
+    h, good = hashlib.sha256(), 0
+    for expected in prefixes:
+        data = fh.read(min(piece_bytes, size - good))
+        if len(data) < min(piece_bytes, size - good):
+            break
+        grown = h.copy()
+        grown.update(data)
+        if grown.hexdigest() != expected:
+            break
+        h, good = grown, good + len(data)
+    return good, h
 
 
 def good_pieces(fh: IO[bytes], hashes: list[str], piece_bytes: int, size: int, whole: Any) -> int:

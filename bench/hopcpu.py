@@ -7,8 +7,9 @@ writes. Each agent's CPU is its process's user+system time from /proc/PID/stat (
 so the figures hold on a machine busy with other work, where wall times do not. Beside them, this
 process measures the parts no agent can go below: sha256 over 1 GiB, a plain write of 1 GiB with
 fsync, and 1 GiB over a loopback socket (sendfile on one side, recv_into on the other, each side's
-thread CPU). A hop of a chain costs at least a receive, two hashes (the piece's and the whole
-file's), a write and, in the middle, a send.
+thread CPU). A hop of a chain costs at least a receive, one sha256 of each byte (the running hash
+that checks each prefix digest and ends as the file's; a model imported before prefix digests,
+with `pieces`, takes two), a write and, in the middle, a send.
 
     .venv/bin/python bench/hopcpu.py [--gib 1.0] [--runs 1] [--rate 1gbit] [--dir DIR]
 
@@ -210,8 +211,8 @@ def main() -> None:
                       + "  ".join(f"{n} {s / gib:.2f}" for n, s in spent.items())
                       + f"; load {os.getloadavg()[0]:.2f}", flush=True)
                 print(f"       floor CPU-s/GiB: sha256 {sha:.2f}, write {write:.2f} + fsync {sync:.2f}, sendfile {send:.2f}, "
-                      f"recv_into {recv:.2f} (loopback); a middle hop's floor (recv, 2 x sha256, write, send) "
-                      f"{recv + 2 * sha + write + sync + send:.2f}, a tail's {recv + 2 * sha + write + sync:.2f}", flush=True)
+                      f"recv_into {recv:.2f} (loopback); a middle hop's floor (recv, sha256, write, send) "
+                      f"{recv + sha + write + sync + send:.2f}, a tail's {recv + sha + write + sync:.2f}", flush=True)
             if args.runs > 1:
                 print("median CPU-s/GiB over the runs: " + "  ".join(f"{n} {statistics.median(v):.2f}"
                                                                       for n, v in per_role.items())

@@ -39,6 +39,26 @@ class Chain:
                               env=agent_env(), check=True)
         return str(json.loads(proc.stdout)["digest"]), data
 
+    def old_model(self, name: str, size: int) -> tuple[str, bytes]:
+        """The same kind of model committed on cp as a fleet from before prefix digests wrote it:
+        its entry lists each piece's own sha256 (`pieces`), under the digest that pins that list."""
+        from agent.store import Store
+        from wire import manifest as mf
+        from wire import pieces
+
+        digest, data = self.model(name, size)
+        store = Store(self.agents["cp"].home)
+        manifest = store.load_manifest(digest)
+        (f,) = manifest["files"]
+        h = pieces.Hasher(PIECE)
+        h.update(data)
+        del f["prefixes"]
+        f["pieces"] = h.finish()
+        old = mf.digest_of(manifest)
+        store.commit(old, mf.validate(manifest), {f["path"]: f["sha256"]}, f"{name}-old")
+        store.delete(digest)
+        return old, data
+
     def write(self, name: str, digest: str) -> None:
         """The fleet file with every model written so far replicated to a, b and c (one left out would
         be planned for deletion)."""
@@ -86,6 +106,7 @@ def test_a_chain_of_three_forwards_pieces_before_the_first_holds_the_file(chain:
     size = 160 << 20
     digest, _ = chain.model("m1", size)
     chain.write("m1", digest)
+    assert "prefixes" in chain.agents["cp"].get(f"/v1/manifests/{digest}").json()["files"][0]  # imported now
     applied = chain.apply()
     assert applied.returncode == 0, applied.stdout + applied.stderr
     assert "from a as it arrives there" in applied.stdout and "from b as it arrives there" in applied.stdout, \
@@ -158,3 +179,17 @@ def test_a_middle_receiver_killed_mid_copy_is_resumed_by_the_next_apply(chain: C
     w = chain.weights("b", digest)
     if w.get("fetch"):  # fetched again: only from the last whole piece it had before the kill
         assert w["fetch"]["bytes_fetched"] <= size - len(kept_b) // PIECE * PIECE, w
+
+
+def test_a_model_imported_with_piece_hashes_before_prefixes_is_still_fetched_and_forwarded(chain: Chain) -> None:
+    size = 64 << 20
+    digest, data = chain.old_model("m4", size)
+    chain.write("m4", digest)
+    applied = chain.apply()
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    for n in ("a", "b", "c"):
+        w = chain.weights(n, digest)
+        assert w["state"] == "present" and w["integrity"]["state"] == "verified", (n, w)
+        assert w["fetch"]["bytes_fetched"] == size, (n, w)
+        assert "pieces" in chain.agents[n].get(f"/v1/manifests/{digest}").json()["files"][0]
+    assert chain.weights("a", digest)["fetch"]["bytes_forwarded"] > 0
