@@ -1,7 +1,8 @@
 """Model manifests (pure): the canonical form and digest, safetensors indexes, and layer slices.
 
-A manifest lists a model's files with size and sha256; for safetensors files also each tensor
-(name, dtype, shape, byte range, sha256). The model's digest is the sha256 of the canonical JSON.
+A manifest lists a model's files with size and sha256 (and, above one piece, the digests a
+receiver checks as bytes land: wire/pieces.py); for safetensors files also each tensor (name,
+dtype, shape, byte range, sha256). The model's digest is the sha256 of the canonical JSON.
 A slice manifest is computed from the full manifest alone, so the control plane can promise a
 slice's digest without reading any weights. An encrypted model's manifest is its plaintext's, plus
 `encryption` (cipher, chunk size, the key's id; never the key): its digest pins the model's bytes
