@@ -9,14 +9,16 @@ import re
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator
-
-import fastjsonschema
-from jsonschema import Draft202012Validator, validators
-from jsonschema.exceptions import ValidationError, best_match
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .diagnostics import Diagnostic, error, format_path
 from .source import Document
+
+if TYPE_CHECKING:
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import ValidationError
+# jsonschema (~60 ms of start-up) and fastjsonschema are imported where a document is checked: a
+# fleet file validated before (desiredcache.py) and an agent's unchanged state (a 304) check nothing.
 
 _TYPE_NAMES = {"object": "a mapping", "array": "a list", "string": "a string", "integer": "an integer",
                "number": "a number", "boolean": "true or false", "null": "empty"}
@@ -45,17 +47,28 @@ def _ecma_pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> I
     r"""`pattern` as JSON Schema means it (ECMA-262: `$` is the end of the string). jsonschema hands
     it to Python's re, where `$` also matches before a final newline (a digest with a newline
     after it passed); fastjsonschema reads `$` as \Z, and so does this: both validators agree."""
+    from jsonschema.exceptions import ValidationError
+
     if validator.is_type(instance, "string") and not _python_regex(pattern).search(instance):
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
-# The generic validator for every schema of fleet's (fleet.yaml, agent state, plan files).
-Validator = validators.extend(Draft202012Validator, {"pattern": _ecma_pattern})  # type: ignore[no-untyped-call]
+@cache
+def _validator_class() -> type[Draft202012Validator]:
+    from jsonschema import Draft202012Validator, validators
+
+    return validators.extend(Draft202012Validator, {"pattern": _ecma_pattern})  # type: ignore[no-any-return,no-untyped-call]
+
+
+def Validator(schema: dict[str, Any]) -> Draft202012Validator:
+    """The generic validator for every schema of fleet's (fleet.yaml, agent state, plan files); named
+    like the class it builds, which it was before jsonschema was imported only where used."""
+    return _validator_class()(schema)
 
 
 @cache
 def _validator() -> Draft202012Validator:
-    return Validator(load_schema())  # type: ignore[no-any-return]
+    return Validator(load_schema())
 
 
 def _describe(value: Any) -> str:
@@ -98,15 +111,21 @@ def _fast() -> Any:
     """The schema compiled to Python (fastjsonschema): the fast path for valid files, which at
     thousands of nodes is most of `fleet plan`'s start. Its keywords mean the same in draft 7;
     on any failure the generic 2020-12 validator below finds and explains every error."""
+    import fastjsonschema
+
     return fastjsonschema.compile({**copy.deepcopy(load_schema()), "$schema": "http://json-schema.org/draft-07/schema#"})
 
 
 def validate(doc: Document) -> list[Diagnostic]:
+    from fastjsonschema import JsonSchemaException
+
     try:
         _fast()(doc.data)
         return []
-    except fastjsonschema.JsonSchemaException:
+    except JsonSchemaException:
         pass
+    from jsonschema.exceptions import best_match  # only a file with errors pays for jsonschema
+
     diags: list[Diagnostic] = []
     for err in sorted(_validator().iter_errors(doc.data), key=lambda e: [str(p) for p in e.absolute_path]):
         if err.validator in ("oneOf", "anyOf") and err.context and isinstance(err.instance, (dict, list)):
