@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
-from rich.markup import escape
 
 from . import config
 from .client import AgentClient
@@ -70,6 +69,8 @@ async def _observe(desired: Desired, timeout: float, secret: str, cache: Observa
 
 
 def _warn(message: str) -> None:
+    from rich.markup import escape  # rich is imported by what prints for people (render.py)
+
     console(stderr=True).print(f"[yellow]warning:[/] {escape(message)}")
 
 
@@ -248,6 +249,8 @@ def _confirm() -> str | None:
 
 def _apply_locked(loaded: config.Loaded, args: argparse.Namespace, ledger: ApplyLedger,
                   drains: Drainer | None = None, saved: Plan | None = None) -> int:
+    from rich.markup import escape  # rich is imported by what prints for people (render.py)
+
     err = console(stderr=True)
     people = console(stderr=args.json)  # under --json, stdout carries the document alone
     p = _saved_plan(saved, loaded, args) if saved is not None else _plan(loaded, args)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from rich.markup import escape
-
 from wire.command_line import error_document as wire_error_document
 
 from .diagnostics import Diagnostic
@@ -32,6 +30,8 @@ class Failure(Exception):
     def show(self, *, as_json: bool, command: str) -> None:
         """The error document on stdout under --json; for people, on stderr, either way (a CI log
         shows why without opening the document)."""
+        from rich.markup import escape  # here: a command that ends well under --json loads no rich
+
         if as_json:
             print_json(self.document(command))
         err = console(stderr=True)

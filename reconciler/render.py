@@ -6,19 +6,22 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from rich.console import Console
-from rich.markup import escape
-
 from .diagnostics import Diagnostic, Severity
 from .node_notes import receive_lines
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from .execute import Result
+# rich (~25 ms of start-up) is imported by the functions that write for people: a --json command
+# (a plan, a validation, an error document) never loads it.
 
 JSON_FORMAT_VERSION = "1.0"
 
 
 def console(*, stderr: bool) -> Console:
+    from rich.console import Console  # on use: see the note above
+
     # Colour only on a terminal (rich decides; NO_COLOR and TERM=dumb are honoured); never wrap
     # lines, so that file:line:col and source lines stay intact in CI logs.
     return Console(stderr=stderr, highlight=False, soft_wrap=True)
@@ -26,6 +29,8 @@ def console(*, stderr: bool) -> Console:
 
 def diagnostic_lines(diag: Diagnostic, source_text: str | None) -> list[str]:
     """Rich-markup lines for one diagnostic."""
+    from rich.markup import escape  # on use: see the note at the top
+
     colour = "red" if diag.severity is Severity.ERROR else "yellow"
     code = escape(f"[{diag.code}]")
     lines = [f"[bold {colour}]{diag.severity.value}[/][bold]{code}[/]: {escape(diag.summary)}"]
@@ -41,6 +46,8 @@ def diagnostic_lines(diag: Diagnostic, source_text: str | None) -> list[str]:
 
 
 def _excerpt(diag: Diagnostic, text: str) -> list[str]:
+    from rich.markup import escape  # on use: see the note at the top
+
     assert diag.range is not None
     all_lines = text.splitlines()
     n = diag.range.start.line
@@ -115,6 +122,8 @@ def print_plan(out: Console, plan: Any) -> None:
     """A plan for people: one block per action with its reason, then the summary line; a pipeline's
     group is named above its first stage (its stages start together). A refused plan prints
     nothing: its errors and the refusal are the whole story (never "No changes." beside them)."""
+    from rich.markup import escape  # on use: see the note at the top
+
     if plan.errored:
         return
     if not plan.changes:
@@ -145,6 +154,8 @@ _MARK = {"done": "[green]✓[/]", "failed": "[red]✗[/]", "skipped": "[yellow]-
 def result_line(r: Result) -> str:
     """One apply result (reconciler.execute.Result): mark, action, address, what happened with the
     failure's code, time taken and the retries it needed."""
+    from rich.markup import escape  # on use: see the note at the top
+
     code = f"[{r.code}] " if r.code else ""
     retries = f", {r.retries} {'retry' if r.retries == 1 else 'retries'}" if r.retries else ""
     return (f"{_MARK[r.status]} {r.action} {escape(r.address)}: {escape(code + r.message)} "
