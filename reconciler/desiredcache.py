@@ -18,9 +18,14 @@ and FLEET_OBSERVE_CACHE=off switches it off with the observed states' cache."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
+import importlib.metadata
+import importlib.util
 import marshal
+import os
+import re
 import sys
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
@@ -28,12 +33,12 @@ from typing import Any
 
 from wire.layers import LayerRange
 
-from . import __version__, config, config_checks, diagnostics, model, schema, source
+from . import __version__, config, config_checks, schema, source
 from .config import Loaded
 from .diagnostics import Diagnostic, Pos, Severity, SourceRange
 from .model import (ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec, PipelineSpec, ReplicaSpec,
                     ServeTlsSpec, Settings, SpeculativeSpec)
-from .obscache import Warn, cache_path, read_private, write_private
+from .obscache import Warn, cache_path, code_digest, read_private, write_private
 
 MAGIC = b"fleet desired-state cache 1\n"
 IGNORED = "desired_cache_ignored"  # the stable codes of this cache's warnings
@@ -44,16 +49,46 @@ _TYPES: dict[str, type] = {t.__name__: t for t in (
     SpeculativeSpec, PipelineSpec, Diagnostic, SourceRange, Pos)}
 
 
+CODE = ("reconciler.config", __name__)  # what loads and checks a file, and what keeps and rebuilds its values
+
+
 def _code_digest() -> str:
-    """What a kept validation depends on besides the file: the schema, the loading and checking
-    code, and the shape of the values (their fields, in order: they are rebuilt by position)."""
+    """What a kept validation depends on besides the file: the schema, the code that loads and
+    checks a file (every fleet module it may run, obscache.fleet_sources, and this one, which
+    rebuilds the values), the libraries that parse and validate it, and the shape of the values
+    (their fields, in order: they are rebuilt by position). ~1 ms of CPU, on every run."""
     h = hashlib.sha256(schema.schema_path("fleet.schema.json").read_bytes())
-    for module in (config, config_checks, source, schema, model, diagnostics):
-        h.update(Path(str(module.__file__)).read_bytes())
-    h.update(Path(str(source.__file__)).with_name("yamltree.py").read_bytes())  # source's YAML half, not imported here
+    h.update(code_digest(*CODE).encode())
+    h.update(_versions("PyYAML:yaml", "jsonschema:jsonschema", "fastjsonschema:fastjsonschema").encode())
     for name, t in sorted(_TYPES.items()):
         h.update(f"{name}:{','.join(f.name for f in fields(t))};".encode())
     return h.hexdigest()[:16]
+
+
+def _versions(*libraries: str) -> str:
+    """Each library's installed version ("DISTRIBUTION:MODULE"), from the name of the .dist-info
+    directory beside its module (the wheel format puts it there), not imported: importing PyYAML is
+    what a kept validation saves, and importlib.metadata.version took 1.4-8 ms for these three."""
+    found = []
+    for library in libraries:
+        dist, _, module = library.partition(":")
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            found.append(f"{dist} none")
+            continue
+        site = Path(spec.origin).parent.parent if spec.submodule_search_locations is not None else Path(spec.origin).parent
+        wanted = re.compile(rf"{re.sub(r'[-_.]+', '[-_.]', dist)}-([^-]+)\.dist-info", re.I)
+        versions = [m[1] for m in map(wanted.fullmatch, _listing(site)) if m is not None]
+        found.append(f"{dist} {versions[0] if len(versions) == 1 else importlib.metadata.version(dist)}")
+    return " ".join(found)
+
+
+@functools.cache
+def _listing(directory: Path) -> tuple[str, ...]:
+    try:
+        return tuple(os.listdir(directory))
+    except OSError:
+        return ()
 
 
 TAG = f"{sys.implementation.cache_tag} marshal {marshal.version} fleet {__version__} checks {_code_digest()}\n".encode()

@@ -5,14 +5,19 @@ fleet's, this user's or whole, is never trusted."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from reconciler import cli, config
+from reconciler import desiredcache
 from reconciler.desiredcache import IGNORED, NOT_KEPT, DesiredCache
 from reconciler.diagnostics import warning
 from reconciler.obscache import OFF_ENV
@@ -34,6 +39,7 @@ clusters:
   piped: {model: m, members: [a, b], port: 9001, pipeline: true}
 """
 CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()
@@ -158,3 +164,52 @@ def test_fleet_plan_reads_a_kept_file_and_plans_the_same(tmp_path: Path, fleet: 
         plans.append(json.loads(capsys.readouterr().out))
     assert list((tmp_path / "cache" / "desired").glob("*.bin")) and plans[0] == plans[1]
     assert plans[0]["config_digest"] == config.load(fleet).digest
+
+
+# Loads a good file (with a CA file), one the schema refuses and one the checks refuse, in a fresh
+# interpreter; prints the fleet modules that ran, then those the tag digests.
+LOADING = """
+import json, pathlib, sys
+from reconciler import config
+d = pathlib.Path(sys.argv[1])
+for text in sys.argv[2:]:
+    (d / "fleet.yaml").write_text(text)
+    config.load(d / "fleet.yaml")
+ran = sorted(m for m in sys.modules if m.partition(".")[0] in ("reconciler", "wire"))
+from reconciler import desiredcache, obscache
+print(json.dumps([ran, list(obscache.fleet_sources(*desiredcache.CODE))]))
+"""
+
+
+def test_the_tag_covers_every_fleet_module_loading_a_file_runs(tmp_path: Path) -> None:
+    (tmp_path / "ca.pem").write_bytes(CERT)
+    texts = [FLEET.replace("control_plane: {node: cp}", "control_plane: {node: cp, agent_ca_file: ca.pem}"),
+             FLEET.replace("port: 9000", "port: nine"), FLEET.replace("layers: 2-3", "layers: 3-2"), "{"]
+    proc = subprocess.run([sys.executable, "-c", LOADING, str(tmp_path), *texts], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60, check=True)
+    ran, digested = json.loads(proc.stdout)
+    assert {"wire.layers", "wire.ids"} <= set(ran)  # what a list written by hand missed
+    assert set(ran) <= set(digested), set(ran) - set(digested)
+
+
+def tag_of(tree: Path) -> str:
+    proc = subprocess.run([sys.executable, "-c", "from reconciler import desiredcache; print(desiredcache.TAG.decode())"],
+                          capture_output=True, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                          timeout=60, check=True)
+    return proc.stdout
+
+
+@pytest.mark.parametrize("module", ["wire/layers.py", "wire/ids.py", "reconciler/config_checks.py"])
+def test_a_changed_module_that_loading_runs_changes_the_tag(tmp_path: Path, module: str) -> None:
+    for part in ("reconciler", "wire", "schemas"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    before = tag_of(tmp_path)
+    with (tmp_path / module).open("a") as f:
+        f.write("# changed\n")
+    assert tag_of(tmp_path) != before
+
+
+def test_the_libraries_versions_are_read_as_importlib_metadata_reads_them() -> None:
+    assert desiredcache._versions("PyYAML:yaml", "jsonschema:jsonschema", "fastjsonschema:fastjsonschema") == (
+        " ".join(f"{d} {importlib.metadata.version(d)}" for d in ("PyYAML", "jsonschema", "fastjsonschema")))
+    assert desiredcache._versions("no-such-thing:no_such_thing") == "no-such-thing none"
