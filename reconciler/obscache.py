@@ -10,8 +10,8 @@ warning and rewritten. A directory that is not the user's alone is neither read 
 who can write there can put a link or a FIFO in the file's place (its name is predictable). The
 states held were checked against the agent-state schema when they were written, and are not again
 (each is kept with its node's fields, observed.node_fields, rebuilt by position with no parsing):
-the file names the fleet version and the schema it was written under, and is ignored under any
-other. It holds no workers' credentials (ObservedNode.state never does)."""
+the file names the fleet version, the schema and the code that derived the fields (observed.py)
+it was written under, and is ignored under any other. It holds no workers' credentials (ObservedNode.state never does)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import re
 import stat
 import sys
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any, Callable, Collection, Mapping
@@ -32,22 +32,13 @@ import platformdirs
 
 from . import __version__
 from .model import Desired, NodeSpec
-from .observed import (Fields, HeldModel, Observed, ObservedNode, ObservedServer, node_fields,
-                       node_from_fields)
+from .observed import Fields, Observed, ObservedNode, node_fields, node_from_fields
 from .schema import schema_path
 
 DIR_ENV = "FLEET_CACHE_DIR"  # the cache directory (default: the user's cache directory for fleet)
 OFF_ENV = "FLEET_OBSERVE_CACHE"  # off (or 0, false, no): no cache is read or written
 OFF = frozenset({"off", "0", "false", "no"})
 MAGIC = b"fleet observed-states cache 1\n"
-# marshal's format is the interpreter's, and the states' shape is this fleet's and this schema's: a
-# cache written under any other is not read, only rewritten.
-_SCHEMA = hashlib.sha256(schema_path("agent-state.schema.json").read_bytes()).hexdigest()[:16]
-# Nodes are rebuilt from their fields by position (observed.node_fields): their order is part of the tag.
-_FIELDS = hashlib.sha256(";".join(",".join(f.name for f in fields(t)) for t in (ObservedNode, HeldModel, ObservedServer))
-                         .encode()).hexdigest()[:8]
-TAG = (f"{sys.implementation.cache_tag} marshal {marshal.version} fleet {__version__} state {_SCHEMA} "
-       f"nodes {_FIELDS}\n").encode()
 IGNORED = "observed_cache_ignored"  # the stable codes of the cache's warnings
 NOT_KEPT = "observed_cache_not_kept"
 MAX_BYTES = 256 << 20  # a fleet's states past this are not kept (the next run asks for all of them whole)
@@ -191,6 +182,15 @@ def _spec(name: str) -> ModuleSpec | None:
         return importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return None
+
+
+# marshal's format is the interpreter's, and the states' shape is this fleet's and this schema's; what
+# is kept beside each state (its node's fields: a fingerprint, HeldModel.corrupt, the servers) is what
+# observed.py's code derives from it, and is rebuilt by position: a cache written under any other
+# Python, schema or deriving code is not read, only rewritten.
+_SCHEMA = hashlib.sha256(schema_path("agent-state.schema.json").read_bytes()).hexdigest()[:16]
+TAG = (f"{sys.implementation.cache_tag} marshal {marshal.version} fleet {__version__} state {_SCHEMA} "
+       f"nodes {code_digest('reconciler.observed')[:16]}\n").encode()
 
 
 def cache_path(kind: str, fleet_file: str | Path) -> Path | None:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import hashlib
 import marshal
 import os
+import shutil
+import subprocess
+import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -41,6 +44,32 @@ def written(path: Path, entries: dict[str, Any]) -> None:
 def test_the_tag_names_the_fleet_version_and_the_state_schema() -> None:
     schema = hashlib.sha256(schema_path("agent-state.schema.json").read_bytes()).hexdigest()[:16]
     assert f"fleet {__version__} ".encode() in obscache.TAG and schema.encode() in obscache.TAG
+
+
+def tag_of(tree: Path) -> str:
+    proc = subprocess.run([sys.executable, "-c", "from reconciler import obscache; print(obscache.TAG.decode())"],
+                          capture_output=True, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                          timeout=60, check=True)
+    return proc.stdout
+
+
+@pytest.mark.parametrize("change", [
+    ("reconciler/observed.py", '"sha256:" + hashlib', '"sha256:" + "0" + hashlib'),  # another fingerprint
+    ("reconciler/observed.py", 'integrity.get("state") == "corrupt"', 'integrity.get("state") == "bad"'),
+    ("wire/live.py", "", "# changed\n"),
+], ids=["fingerprint", "corrupt", "live"])
+def test_the_code_that_derives_the_kept_fields_is_in_the_tag(tmp_path: Path, change: tuple[str, str, str]) -> None:
+    # A fleet of the same version whose observed.py derives a node's fields otherwise must not read
+    # them: its fingerprints and corruption would be this code's, not its own.
+    for part in ("reconciler", "wire", "schemas"):
+        shutil.copytree(Path(obscache.__file__).parents[1] / part, tmp_path / part,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    before = tag_of(tmp_path)
+    module, old, new = change
+    text = (tmp_path / module).read_text()
+    assert old in text
+    (tmp_path / module).write_text(text.replace(old, new) if old else text + new)
+    assert tag_of(tmp_path) != before
 
 
 FIELDS = node_fields(SEEN.nodes["n"])
