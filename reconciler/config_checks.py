@@ -74,7 +74,7 @@ class Checker:
         given = self.data["control_plane"].get("agent_ca_file")
         if given is None:
             return None
-        path = Path(self.doc.filename).resolve().parent / Path(given).expanduser()
+        path = ca_file_path(self.doc.filename, given)
         why = ca_file_problem(path)
         if why is not None:
             self.add("ca_file_unreadable", ("control_plane", "agent_ca_file"),
@@ -316,6 +316,12 @@ def _layers_hint(text: str) -> str:
     first, _, last = text.partition("-")
     example = f"{last}-{first}" if first.isdigit() and last.isdigit() else "0-39"
     return f"Write FIRST-LAST with FIRST <= LAST, e.g. {example}."
+
+
+def ca_file_path(filename: str, given: str) -> Path:
+    """Where control_plane.agent_ca_file names: beside the fleet file when relative, `~` the home
+    directory now (the environment's $HOME: desiredcache.py works it out again for a kept file)."""
+    return Path(filename).resolve().parent / Path(given).expanduser()
 
 
 def ca_file_problem(path: Path) -> str | None:

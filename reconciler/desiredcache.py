@@ -8,8 +8,9 @@ their sha256 and a marshal load (bench/plan_scale.py's "read the file" step show
 Only a file that validated cleanly (no errors) is kept, with its warnings, which are printed as if
 it had been read. A kept entry is used only for the same text (sha256 of the file's bytes, its BOM
 aside), under the same name (its diagnostics name the file), in the same directory (a relative
-`agent_ca_file` is resolved beside the file) and, when there is a CA file, only while it still
-holds a PEM certificate (the one thing the checks read besides the file). The file carries a tag
+`agent_ca_file` is resolved beside the file) and, when there is a CA file, only while the value
+written still names it (`~` is the home directory, $HOME, of each run) and it still holds a PEM
+certificate (the checks read nothing else besides the file: no other environment variable). The file carries a tag
 naming the Python, fleet's version, the fleet schema and the code that loads and checks a file
 (so a checker changed in a working tree does not trust what an older one passed); it is kept with
 obscache's protections (obscache.read_private / write_private: 0600 in a private 0700 directory,
@@ -181,7 +182,7 @@ class DesiredCache:
         collecting = gc.isenabled()
         gc.disable()  # tens of thousands of values in no cycle: the collector's passes over them were half the load
         try:
-            key, desired, diags, digest = record
+            key, desired, diags, digest, given = record
             if tuple(key) != _key(text, name):
                 return None  # another text (or name, or place): read whole, then kept in its place
             loaded = Loaded(name, _decode_desired(desired), tuple(_decode(diags)), None, digest, text, cached=True)
@@ -194,6 +195,8 @@ class DesiredCache:
             if collecting:
                 gc.enable()
         ca = next((n.ca_file for n in loaded.desired.nodes.values()), None)
+        if ca is not None and (not isinstance(given, str) or str(config_checks.ca_file_path(name, given)) != ca):
+            return None  # it names another file now (`~` is $HOME's): read whole, then kept in its place
         if ca is not None and config_checks.ca_file_problem(Path(ca)) is not None:
             return None  # checked again, with its diagnostic, by reading the file whole
         return loaded
@@ -206,9 +209,14 @@ class DesiredCache:
         """Keep what this file validated to, when it validated cleanly (else nothing)."""
         if not loaded.ok or loaded.text is None or loaded.desired is None:
             return
+        # agent_ca_file as written, worked out again when the file is read back: what it names
+        # depends on the environment ($HOME), which the key does not hold.
+        given = None if loaded.document is None else loaded.document.data["control_plane"].get("agent_ca_file")
+        if given is None and any(n.ca_file is not None for n in loaded.desired.nodes.values()):
+            return
         try:
             payload = marshal.dumps((_key(loaded.text, loaded.filename), _encode_desired(loaded.desired),
-                                     _encode(loaded.diagnostics), loaded.digest))
+                                     _encode(loaded.diagnostics), loaded.digest, given))
             if len(payload) <= MAX_BYTES:
                 write_private(self.path, MAGIC, TAG, payload)
         except (OSError, ValueError, TypeError) as exc:

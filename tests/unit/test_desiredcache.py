@@ -113,6 +113,22 @@ def test_a_ca_file_that_went_bad_is_checked_again(tmp_path: Path, fleet: Path) -
     assert not bad.cached and [d.code for d in bad.diagnostics] == ["ca_file_unreadable"]
 
 
+def test_a_ca_file_under_another_home_is_the_one_named_now(tmp_path: Path, fleet: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    for home in ("h1", "h2"):
+        (tmp_path / home).mkdir()
+        (tmp_path / home / "ca.pem").write_bytes(CERT)
+    fleet.write_text(FLEET.replace("control_plane: {node: cp}", "control_plane: {node: cp, agent_ca_file: ~/ca.pem}"))
+    cache = cache_of(tmp_path, [])
+    monkeypatch.setenv("HOME", str(tmp_path / "h1"))
+    assert cache.load(fleet).ok and cache.load(fleet).cached
+    monkeypatch.setenv("HOME", str(tmp_path / "h2"))
+    moved = cache.load(fleet)
+    assert not moved.cached and moved.desired is not None and moved.desired == config.load(fleet).desired
+    assert moved.desired.nodes["a"].ca_file == str(tmp_path / "h2" / "ca.pem")
+    assert cache.load(fleet).cached  # kept again, under this home
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
 def test_a_damaged_or_foreign_file_is_ignored_with_a_warning(tmp_path: Path, fleet: Path, damage: str) -> None:
     warnings: list[str] = []
