@@ -1,16 +1,23 @@
-"""The plan document as `fleet plan --json` and `-o` write it (commands.plan_json): the same JSON as
-json.dumps gives, indented to its second level with each change on a line of its own."""
+"""The plan's JSON twin: valid against schemas/plan.schema.json and a lossless round trip, written by
+`fleet plan --json` and `-o` (commands.plan_json) as the same JSON as json.dumps gives, indented to its
+second level with each change on a line of its own."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+from jsonschema import Draft202012Validator
 
 from reconciler.commands import plan_json
 from reconciler.diagnostics import warning
 from reconciler.plan import Action, Change, Plan
+from reconciler.schema import load_schema
+from tests.golden import CASES, run_case
+
+CASE_DIRS = sorted(p for p in CASES.iterdir() if (p / "fleet.yaml").exists())
 
 
 def a_plan(n: int) -> Plan:
@@ -19,6 +26,21 @@ def a_plan(n: int) -> Plan:
                     for i in range(n))
     return Plan(changes, (warning("w", "a warning", "line one\nline two", "nodes.n0"),), "sha256:ab", "fleet.yaml",
                 {f"n{i}": f"sha256:{i}" for i in range(n)}, ("clusters.c",))
+
+
+def test_plan_schema_is_valid() -> None:
+    Draft202012Validator.check_schema(load_schema("plan.schema.json"))
+
+
+@pytest.mark.parametrize("case", CASE_DIRS, ids=[p.name for p in CASE_DIRS])
+def test_plan_json_validates_and_round_trips(case: Path) -> None:
+    plan = run_case(case)
+    data = json.loads(plan_json(plan.to_json()))  # as fleet plan --json and -o write it
+    errors = list(Draft202012Validator(load_schema("plan.schema.json")).iter_errors(data))
+    assert errors == []
+    assert Plan.from_json(data) == plan
+    assert data["summary"] == {a: sum(1 for c in data["changes"] if c["action"] == a)
+                               for a in ("replicate", "start", "replace", "stop", "delete")}
 
 
 @pytest.mark.parametrize("n", [0, 1, 3])
