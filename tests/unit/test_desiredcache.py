@@ -174,11 +174,14 @@ def test_fleet_plan_reads_a_kept_file_and_plans_the_same(tmp_path: Path, fleet: 
     monkeypatch.setenv("FLEET_CACHE_DIR", str(tmp_path / "cache"))
     snapshot = tmp_path / "observed.json"
     snapshot.write_text(json.dumps({"format": "1.0", "nodes": {}, "manifests": {}}))
-    plans = []
+    plans, kept = [], []
     for _ in range(2):
         cli.run(["plan", "--json", "-f", str(fleet), "--observed", str(snapshot)])
         plans.append(json.loads(capsys.readouterr().out))
-    assert list((tmp_path / "cache" / "desired").glob("*.bin")) and plans[0] == plans[1]
+        [path] = (tmp_path / "cache" / "desired").glob("*.bin")
+        kept.append((path.stat().st_ino, path.stat().st_mtime_ns))
+    assert plans[0] == plans[1]
+    assert kept[0] == kept[1]  # read, not rewritten: a run that did not use it writes it anew (another inode)
     assert plans[0]["config_digest"] == config.load(fleet).digest
 
 
