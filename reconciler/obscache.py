@@ -222,7 +222,7 @@ def read_private(path: Path, magic: bytes, tag: bytes, max_bytes: int = MAX_BYTE
     if data[:len(magic)] != magic:
         raise ValueError("it is not a cache of fleet's")
     if data[len(magic):head] != tag:
-        raise ValueError("another Python or another fleet version wrote it")
+        raise ValueError("another Python, another fleet version or another cache format wrote it")
     payload = data[head + 65:]
     if hashlib.sha256(payload).hexdigest().encode() + b"\n" != data[head:head + 65]:
         raise ValueError("its checksum does not match: it is damaged")

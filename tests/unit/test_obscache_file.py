@@ -46,6 +46,16 @@ def test_the_tag_names_the_fleet_version_and_the_state_schema() -> None:
     assert f"fleet {__version__} ".encode() in obscache.TAG and schema.encode() in obscache.TAG
 
 
+def test_a_file_of_another_format_under_the_same_version_is_ignored_saying_so(tmp_path: Path) -> None:
+    # A format-1 file (its tag named no nodes' fields) of this very fleet version: not "another version".
+    warnings: list[str] = []
+    cache = cache_in(tmp_path / "c", warnings)
+    cache.save(DESIRED, SEEN)
+    cache.path.write_bytes(cache.path.read_bytes().replace(obscache.TAG, obscache.TAG.rpartition(b" nodes ")[0] + b"\n"))
+    assert cache.load(DESIRED) == {}
+    assert len(warnings) == 1 and "another cache format" in warnings[0] and f"[{obscache.IGNORED}]" in warnings[0]
+
+
 def tag_of(tree: Path) -> str:
     proc = subprocess.run([sys.executable, "-c", "from reconciler import obscache; print(obscache.TAG.decode())"],
                           capture_output=True, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
