@@ -134,7 +134,9 @@ class Generations:
     generation covers the same bytes (marshal's version 2: values and their types, in order, with
     no references or interning marks that vary between equal values) has it back without the JSON
     and the hash, 4 of the 24 us a 304 spent on it. The kept bytes are a copy: nothing changed in
-    place afterwards can make a changed state look kept. A state marshal cannot write is named whole."""
+    place afterwards can make a changed state look kept. A state marshal cannot write is named whole.
+    marshal writes any buffer (bytes, bytearray, memoryview) as plain bytes, so those three would
+    look alike here; a state is JSON (a dict of JSON values), which holds none of them."""
 
     __slots__ = ("kept", "name")
 
