@@ -40,7 +40,7 @@ from .config import Loaded
 from .diagnostics import Diagnostic, Pos, Severity, SourceRange
 from .model import (ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec, PipelineSpec, ReplicaSpec,
                     ServeTlsSpec, Settings, SpeculativeSpec)
-from .obscache import Warn, cache_path, code_digest, read_private, write_private
+from .obscache import Warn, cache_path, code_digest, read_kept, reason, write_private
 
 MAGIC = b"fleet desired-state cache 1\n"
 IGNORED = "desired_cache_ignored"  # the stable codes of this cache's warnings
@@ -173,12 +173,8 @@ class DesiredCache:
         return loaded
 
     def _kept(self, text: str, name: str) -> Loaded | None:
-        try:
-            record = marshal.loads(read_private(self.path, MAGIC, TAG, MAX_BYTES))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, EOFError, TypeError) as exc:
-            self._ignored(str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc))
+        record = read_kept(self.path, MAGIC, TAG, self._ignored, MAX_BYTES)
+        if record is None:
             return None
         collecting = gc.isenabled()
         gc.disable()  # tens of thousands of values in no cycle: the collector's passes over them were half the load
@@ -222,5 +218,5 @@ class DesiredCache:
                 write_private(self.path, MAGIC, TAG, payload)
         except (OSError, ValueError, TypeError) as exc:
             self.warn(f"[{NOT_KEPT}] cannot keep the validated fleet file in {self.path} "
-                      f"({exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}); the next run "
+                      f"({reason(exc)}); the next run "
                       "reads it whole")

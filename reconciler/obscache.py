@@ -72,14 +72,11 @@ class ObservationCache:
         """The nodes held for this fleet's nodes, each at the address it has now; {} when there is
         no cache, or one that cannot be used (with a warning). Those asked plainly go into `plain`."""
         self.plain.clear()
-        try:
-            entries = marshal.loads(read_private(self.path, MAGIC, TAG))
-            if not isinstance(entries, dict) or not all(_entry(k, v) for k, v in entries.items()):
-                raise ValueError("its entries are not states")
-        except FileNotFoundError:
+        entries = read_kept(self.path, MAGIC, TAG, self._ignored)
+        if entries is None:
             return {}
-        except (OSError, ValueError, EOFError, TypeError) as exc:
-            self._ignored(str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc))
+        if not isinstance(entries, dict) or not all(_entry(k, v) for k, v in entries.items()):
+            self._ignored("its entries are not states")
             return {}
         held = {}
         name = ""
@@ -129,8 +126,7 @@ class ObservationCache:
         try:
             write_private(self.path, MAGIC, TAG, payload)
         except (OSError, ValueError) as exc:
-            self.warn(f"[{NOT_KEPT}] cannot keep the observed states in {self.path} "
-                      f"({exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}); "
+            self.warn(f"[{NOT_KEPT}] cannot keep the observed states in {self.path} ({reason(exc)}); "
                       "the next run asks for every state whole")
 
 
@@ -201,6 +197,24 @@ def cache_path(kind: str, fleet_file: str | Path) -> Path | None:
     base = Path(os.environ.get(DIR_ENV) or platformdirs.user_cache_dir("fleet"))
     key = hashlib.sha256(str(Path(fleet_file).absolute()).encode()).hexdigest()[:24]
     return base / kind / f"{key}.bin"
+
+
+def read_kept(path: Path, magic: bytes, tag: bytes, ignored: Callable[[str], None], max_bytes: int = MAX_BYTES) -> Any:
+    """What write_private kept in `path`, unmarshalled; None when there is none, or one that cannot be
+    used, which is said through `ignored(why)`."""
+    try:
+        return marshal.loads(read_private(path, magic, tag, max_bytes))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, EOFError, TypeError) as exc:
+        ignored(reason(exc))
+        return None
+
+
+def reason(exc: Exception) -> str:
+    """Why reading or writing a cache failed, for a warning: an OSError's own words ("Permission
+    denied"), without its errno and path, which the warning gives its own way."""
+    return str(exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
 
 
 def read_private(path: Path, magic: bytes, tag: bytes, max_bytes: int = MAX_BYTES) -> bytes:

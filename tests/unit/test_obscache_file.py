@@ -56,6 +56,22 @@ def test_a_file_of_another_format_under_the_same_version_is_ignored_saying_so(tm
     assert len(warnings) == 1 and "another cache format" in warnings[0] and f"[{obscache.IGNORED}]" in warnings[0]
 
 
+def test_both_caches_read_a_file_through_one_helper(tmp_path: Path) -> None:
+    # read_kept: obscache's and desiredcache's read -> unmarshal -> ignored with a warning.
+    warnings: list[str] = []
+    path = tmp_path / "c" / "k.bin"
+    assert obscache.read_kept(path.with_name("none.bin"), b"m\n", b"t\n", warnings.append) is None and not warnings
+    obscache.write_private(path, b"m\n", b"t\n", marshal.dumps({"a": (1, "b")}))
+    assert obscache.read_kept(path, b"m\n", b"t\n", warnings.append) == {"a": (1, "b")} and not warnings
+    assert obscache.read_kept(path, b"m\n", b"other\n", warnings.append) is None
+    path.chmod(0o644)
+    assert obscache.read_kept(path, b"m\n", b"t\n", warnings.append) is None
+    assert warnings == ["another Python, another fleet version or another cache format wrote it",
+                        "others may read or write it (mode 644)"]
+    assert obscache.reason(PermissionError(13, "Permission denied", str(path))) == "Permission denied"
+    assert obscache.reason(ValueError("its directory is not this user's")) == "its directory is not this user's"
+
+
 def tag_of(tree: Path) -> str:
     proc = subprocess.run([sys.executable, "-c", "from reconciler import obscache; print(obscache.TAG.decode())"],
                           capture_output=True, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
