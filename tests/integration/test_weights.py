@@ -238,12 +238,14 @@ def test_resume_after_the_peer_dies_mid_transfer(tmp_path: Path) -> None:
     src = Agent("src", "127.0.0.2", port, tmp_path / "src").start()
     dst = Agent("dst", "127.0.0.3", port, tmp_path / "dst").start()
     try:
-        size = 64 << 20
+        # Large enough that the copy is still going when the kill comes after the poll's answer: a
+        # receiver hashing each byte once copied 64 MiB between a poll and the kill at load 3.
+        size = 256 << 20
         model = tmp_path / "m.gguf"
         model.write_bytes(b"GGUF" + os.urandom(size - 4))
         digest = import_model(src, model)
         put(dst, digest, src)
-        while dst.get(f"/v1/weights/{digest}").json()["bytes_done"] < size // 3:
+        while dst.get(f"/v1/weights/{digest}").json()["bytes_done"] < size // 8:
             time.sleep(0.002)
         src.stop(signal.SIGKILL)
         failed = wait(dst, digest)
