@@ -6,8 +6,9 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Awaitable, Callable, Protocol
+from typing import IO, Any, Awaitable, Callable, Iterator, Protocol
 
 import trio
 
@@ -54,9 +55,12 @@ class Beside:
     where it lies, no copy: `start` hands it over and `join` waits until the hash is done with it,
     before the receiver reuses the block (one hand-over a block: a copy of each block and a queue
     operation a recv cost the receiver 0.2-0.3 CPU-s per GiB). What the hash raises (a bad piece)
-    comes out of the `join` after it."""
+    comes out of the `join` after it. Both are called inside a `turn`, which `close` waits for."""
 
     WAIT_S = 60.0  # a hasher this far behind is a stuck machine: the fetch fails (and resumes)
+    # A turn is one block's write plus its hash, whose join gives up after WAIT_S: a turn longer
+    # than this is a write stuck on our disk.
+    TURN_S = 2 * WAIT_S
 
     def __init__(self, whole: Any) -> None:
         self.whole = whole
@@ -65,10 +69,15 @@ class Beside:
         self._go = threading.Semaphore(0)
         self._done = threading.Semaphore(0)
         self._busy = False
+        self._stuck = False  # a join gave up: the thread may still hold a block, so none is handed again
         self._closed = False
-        # start, join and close may come from two threads at once: a receiving thread that trio
-        # abandoned on a cancel goes on handing blocks while the fetch closes this.
-        self._lock = threading.Lock()
+        self._ended = False
+        # Held for the whole of a receiver's turn with one block (the hand-over, its write, its
+        # check, the join, what it publishes): a receiving thread that trio abandoned on a cancel
+        # may be anywhere in it while the fetch closes this. close takes it before it marks the end,
+        # so once close returns no receiver is inside a turn and the next one is refused before it
+        # writes: the fetch may then cut the file back to its verified mark and settle its counters.
+        self._turn = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="whole-file sha256", daemon=True)
         self._thread.start()
 
@@ -83,23 +92,24 @@ class Beside:
                 self._error = exc
             self._done.release()
 
-    def start(self, block: bytes | bytearray | memoryview) -> None:
-        """Hash `block` beside the caller, who leaves it untouched until `join`. After close, a
-        LocalWrite: the receiving thread of a cancelled fetch stops at its next block."""
-        with self._lock:
-            if self._closed:
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """The receiver's turn with one block; after close, a LocalWrite before anything is done:
+        the receiving thread of a cancelled fetch stops at its next block."""
+        with self._turn:
+            if self._closed or self._stuck:
                 raise LocalWrite(OSError("the fetch ended: no more blocks are taken"))
-            self._join()
-            self._block, self._busy = block, True
-            self._go.release()
+            yield
+
+    def start(self, block: bytes | bytearray | memoryview) -> None:
+        """Hash `block` beside the caller (inside a turn), who leaves it untouched until `join`."""
+        self._block, self._busy = block, True
+        self._go.release()
 
     def join(self) -> None:
-        with self._lock:
-            self._join()
-
-    def _join(self) -> None:
         if self._busy:
             if not self._done.acquire(timeout=self.WAIT_S):
+                self._stuck = True
                 raise LocalWrite(OSError(f"the whole-file hash took over {self.WAIT_S:.0f} s for one block"))
             self._busy, self._block = False, None
             if (error := self._error) is not None:
@@ -107,25 +117,30 @@ class Beside:
                 raise error
 
     def hexdigest(self) -> str:
-        self.close()
-        if self._thread.is_alive():
+        if not self.close() or self._thread.is_alive():
             raise LocalWrite(OSError(f"the whole-file hash did not end within {self.WAIT_S:.0f} s"))
         return str(self.whole.hexdigest())
 
-    def close(self) -> None:
-        """End the thread (after the block it hashes); start refuses from now on. Idempotent."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                try:
-                    self._join()
-                except LocalWrite:
-                    return  # stuck: a daemon thread, left to the process
-                except (pieces.BadPieceError, ValueError):
-                    pass  # the receiver's fetch is ending already; the hash said why
-                self._block = None
+    def close(self) -> bool:
+        """Wait for the turn in progress, refuse every turn from now on and end the thread (after a
+        stuck hash, when that hash ends). Blocks for up to one block's write and hash: call it off
+        the event loop. False when the turn outlasted TURN_S (a stuck write): its receiver is still
+        in it. Idempotent."""
+        # Marked before the lock is taken, which a receiver going from one block to the next would
+        # win again and again (a lock is not fair): its next turn reads this before it writes.
+        self._closed = True
+        if not self._turn.acquire(timeout=self.TURN_S):
+            return False
+        try:
+            if not self._ended:
+                self._ended = True
+                self._block = None  # the thread took its own reference to a block it still hashes
                 self._go.release()
-        self._thread.join(self.WAIT_S)
+        finally:
+            self._turn.release()
+        if not self._stuck:
+            self._thread.join(self.WAIT_S)
+        return True
 
 
 async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Partial, download: Download,
@@ -153,21 +168,22 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
         partial.verified = good
 
         def take(chunk: bytes | bytearray | memoryview) -> None:
-            beside.start(chunk)  # hashed on the other core while this one writes
-            try:
+            with beside.turn():  # all of it: a cancelled fetch cuts the file back only after this block
+                beside.start(chunk)  # hashed on the other core while this one writes
                 try:
-                    fh.write(chunk)
-                except OSError as exc:
-                    raise LocalWrite(exc) from None
-                job.bytes_done += len(chunk)
-                job.bytes_fetched += len(chunk)
-                if not prefixed:
-                    check.update(chunk)
-            finally:
-                beside.join()  # the caller reuses the block when this returns; a bad prefix raises here
-            if check.verified != partial.verified:
-                fh.flush()  # what peers read must be in the file before they are told it is there
-                partial.verified = check.verified
+                    try:
+                        fh.write(chunk)
+                    except OSError as exc:
+                        raise LocalWrite(exc) from None
+                    job.bytes_done += len(chunk)
+                    job.bytes_fetched += len(chunk)
+                    if not prefixed:
+                        check.update(chunk)
+                finally:
+                    beside.join()  # the caller reuses the block when this returns; a bad prefix raises here
+                if check.verified != partial.verified:
+                    fh.flush()  # what peers read must be in the file before they are told it is there
+                    partial.verified = check.verified
 
         if good < size:
             fh.seek(good)
@@ -183,12 +199,16 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
                     "kept and the next fetch resumes there", "piece_corrupt") from None
             finally:
                 # Shielded: a cancelled fetch (an agent stopping, a job dropped) still ends the hashing
-                # thread, which would wait for a block forever, and stops its abandoned receiver.
+                # thread, which would wait for a block forever, and stops its abandoned receiver. In a
+                # thread: close waits for the block that receiver may be writing (one block's write and
+                # hash), since the file is cut back and the counters settled only once nothing writes.
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(beside.close)
-                job.bytes_done -= fh.tell() - check.verified
-                fh.truncate(check.verified)  # only verified pieces are kept: a resume starts on a boundary
-                fh.flush()
+                    quiet = await trio.to_thread.run_sync(beside.close)
+                if quiet:  # else a write stuck on our disk: the file is left, the next fetch re-checks it
+                    job.bytes_done -= fh.tell() - check.verified
+                    fh.truncate(check.verified)  # only verified pieces are kept: a resume starts on a boundary
+                    fh.flush()
+                    partial.verified = check.verified
         actual = await trio.to_thread.run_sync(beside.hexdigest)
         if actual != sha:  # the pieces are pinned by the digest too: a bad manifest, or a bug
             part.unlink(missing_ok=True)

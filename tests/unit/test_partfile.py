@@ -8,16 +8,15 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import trio
 
 from agent.forward import Partial
-from agent.partfile import FetchError, Take, write_pieced
+from agent.partfile import FetchError, LocalWrite, Take, write_pieced
 from wire import pieces
 
 PIECE = pieces.MIN_PIECE
@@ -65,41 +64,118 @@ def test_a_cancelled_fetch_leaves_no_hashing_thread_and_its_abandoned_receiver_s
     # The receiver feeds blocks from a worker thread that trio abandons on a cancel, as
     # agent/peerhttp.py's does; before, the cancel also cancelled the hashing thread's close, which
     # then waited for a block forever (one thread per cancelled fetch), and the receiver went on.
+    # Here it cancels the fetch after its first block, waits until the fetch has ended the hashing
+    # thread, then offers the next block, which must be refused.
     data = os.urandom(50 * PIECE)
     f = entry(data)
     part = tmp_path / "m.part"
     partial = Partial(part, len(data), progress=lambda: 0)
-    fed_after_cancel: list[int] = []
-    cancelled = threading.Event()
+    refused: list[str] = []
     ended = threading.Event()
     before = set(hashing_threads())
+
+    async def main() -> None:
+        with trio.CancelScope() as scope:
+            async def download(path: str, first: int, last: int, take: Take) -> int:
+                def feed() -> int:
+                    try:
+                        take(data[first:first + BLOCK])
+                        trio.from_thread.run_sync(scope.cancel)
+                        for t in set(hashing_threads()) - before:
+                            t.join(10)  # the fetch ends it as it closes, after this receiver's block
+                        take(data[first + BLOCK:first + 2 * BLOCK])
+                    except LocalWrite as exc:
+                        refused.append(str(exc))
+                    finally:
+                        ended.set()
+                    return 2 * BLOCK
+                return await trio.to_thread.run_sync(feed, abandon_on_cancel=True)
+
+            await write_pieced(Job(), part, f, partial, download, tmp_path / "dest", "n1")
+
+    trio.run(main)
+    assert ended.wait(10), "the abandoned receiver is still inside a block"
+    assert refused == ["the fetch ended: no more blocks are taken"]
+    assert not set(hashing_threads()) - before, "the whole-file hash thread was left waiting"
+    assert part.stat().st_size == partial.verified == 0  # what is kept ends on a piece boundary, for the resume
+
+
+class HeldJob:
+    """A job whose counters, when the receiving thread counts its second block (written, not yet
+    checked), cancel the fetch and hold that block in flight until the fetch's own thread touches
+    them, which it must not do before that block is done. A fetch that waits as it should is never
+    seen to: HOLD_S then ends the hold (it bounds the test's length, not what the test decides)."""
+
+    HOLD_S = 0.5
+
+    def __init__(self) -> None:
+        self.digest, self.peer = "sha256:" + "ab" * 32, "http://peer"
+        self.bytes_fetched, self.blocks = 0, 0
+        self.cancel: Callable[[], None] = lambda: None
+        self.fetch_thread = threading.current_thread()
+        self.touched = threading.Event()
+        self.touched_in_flight = False
+        self._done = 0
+
+    @property
+    def bytes_done(self) -> int:
+        return self._done
+
+    @bytes_done.setter
+    def bytes_done(self, value: int) -> None:
+        if threading.current_thread() is self.fetch_thread:
+            self._done = value
+            self.touched.set()
+            return
+        self._done = value
+        self.blocks += 1
+        if self.blocks == 2:
+            self.touched.clear()  # the fetch counted what it found held before the first block
+            trio.from_thread.run_sync(self.cancel)
+            self.touched_in_flight = self.touched.wait(self.HOLD_S)
+
+
+@pytest.mark.parametrize("form", ["prefixes", "pieces"])
+def test_a_cancelled_fetch_cuts_its_file_back_only_after_the_block_in_flight(tmp_path: Path, form: str) -> None:
+    # Before, close waited only for the hash of the receiver's block: the fetch truncated the file
+    # and settled bytes_done while its abandoned receiver was still writing and counting that
+    # block, which then counted it (and published its piece) after the fetch had returned.
+    data = os.urandom(8 * PIECE)
+    f = entry(data, form)
+    part = tmp_path / "m.part"
+    partial = Partial(part, len(data), progress=lambda: 0)
+    ended = threading.Event()
+    at_return: dict[str, int] = {}
+    refused: list[int] = []
 
     async def download(path: str, first: int, last: int, take: Take) -> int:
         def feed() -> int:
             try:
-                for at in range(first, last + 1, BLOCK):
-                    take(data[at:at + BLOCK])
-                    if cancelled.is_set():
-                        fed_after_cancel.append(at)
-                    time.sleep(0.005)
-                return last + 1 - first
+                for at in range(first, last + 1, PIECE):  # a block a piece: each take verifies one
+                    try:
+                        take(data[at:at + PIECE])
+                    except LocalWrite:
+                        refused.append(at)
+                        break
             finally:
                 ended.set()
+            return 0
         return await trio.to_thread.run_sync(feed, abandon_on_cancel=True)
 
     async def main() -> None:
-        with trio.move_on_after(0.3):
-            await write_pieced(Job(), part, f, partial, download, tmp_path / "dest", "n1")
-        cancelled.set()
+        with trio.CancelScope() as scope:
+            job.cancel = scope.cancel
+            await write_pieced(job, part, f, partial, download, tmp_path / "dest", "n1")
+        at_return.update(size=part.stat().st_size, verified=partial.verified, done=job.bytes_done)
 
+    job = HeldJob()
     trio.run(main)
-    assert ended.wait(5), "the abandoned receiver kept taking blocks"
-    assert len(fed_after_cancel) <= 1  # at most the block it was in when the cancel came
-    deadline = time.monotonic() + 5
-    while set(hashing_threads()) - before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not set(hashing_threads()) - before, "the whole-file hash thread was left waiting"
-    assert part.stat().st_size % PIECE == 0  # what is kept ends on a piece boundary, for the resume
+    assert ended.wait(10)
+    assert not job.touched_in_flight, "the fetch settled its counters while a block was still being written"
+    assert refused == [2 * PIECE], "the block after the cancelled one was not refused"
+    assert at_return == {"size": 2 * PIECE, "verified": 2 * PIECE, "done": 2 * PIECE}
+    assert (part.stat().st_size, partial.verified, job.bytes_done) == (2 * PIECE, 2 * PIECE, 2 * PIECE)
+    assert part.read_bytes() == data[:2 * PIECE]
 
 
 @pytest.mark.parametrize("form", ["prefixes", "pieces"])
