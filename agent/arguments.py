@@ -74,9 +74,10 @@ def build_parser() -> Parser:
                    help="store it encrypted at rest (AES-256-GCM) under this node's weights key; it is then "
                         "served only here, decrypted into memory, never to disk")
     p.add_argument("--key-file", metavar="FILE", help=key_help)
-    p.add_argument("--piece-size", default="16MiB", metavar="SIZE",
+    p.add_argument("--piece-size", default="auto", metavar="SIZE",
                    help="size of the pieces a receiver verifies and forwards as they arrive; part of the "
-                        "digest (default: 16MiB)")
+                        "digest (default: auto, by each file's size: 1/256 of it rounded up to a power of "
+                        "two, from 4MiB to 64MiB)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
     p = sub.add_parser("make-test-model", help="write a tiny random Llama (safetensors dir or GGUF file)",

@@ -176,11 +176,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return Exit.INVALID_CONFIG if any(f.level == "error" for f in findings) else Exit.OK
 
 
-def _piece_size(text: str) -> int:
+def _piece_size(text: str) -> int | None:
+    """The --piece-size given, or None for `auto` (wire.pieces.sized, file by file)."""
     from wire.pieces import MAX_PIECE, MIN_PIECE
 
     from .fetch import parse_size
 
+    if text == "auto":
+        return None
     try:
         size = parse_size(text)
     except ValueError as exc:

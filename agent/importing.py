@@ -47,7 +47,7 @@ def import_model(store: Store, src: Path, name: str, *, link: bool = False,
     for path, rel in zip(files, rels):
         entry, stored = _import_file(store, path, mf.safe_relpath(rel), link=link,
                                           key=store.key if encrypt else None,
-                                          piece_bytes=piece_bytes or pieces.PIECE_BYTES)
+                                          piece_bytes=piece_bytes or pieces.sized(path.stat().st_size))
         entries.append(entry)
         blobs[rel] = stored
     layers = None
@@ -65,7 +65,7 @@ def import_model(store: Store, src: Path, name: str, *, link: bool = False,
     return digest, manifest
 
 def _import_file(store: Store, path: Path, rel: str, *, link: bool,
-             key: Key | None = None, piece_bytes: int = pieces.PIECE_BYTES) -> tuple[dict[str, Any], str]:
+             key: Key | None = None, piece_bytes: int) -> tuple[dict[str, Any], str]:
     """The file's manifest entry (its plaintext's hashes) and the sha256 it is stored under."""
     size = path.stat().st_size
     prefixes = pieces.PrefixHasher(piece_bytes)  # one running hash: each piece's prefix, then the whole file

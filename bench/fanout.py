@@ -278,8 +278,9 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--receivers", type=int, default=8)
     ap.add_argument("--rate", default="1gbit")
-    ap.add_argument("--piece-size", default="16MiB",
-                    help="the model's pieces (fleet-agent import --piece-size): each hop of a chain adds one")
+    ap.add_argument("--piece-size", default="auto",
+                    help="the model's pieces (fleet-agent import --piece-size; auto: by the file's size, "
+                         "4MiB for 1 GiB): each hop of a chain adds one")
     ap.add_argument("--queue-ms", type=float, default=2.0, help="tbf's queue, in ms of the rate (default: 2.0)")
     ap.add_argument("--no-baselines", action="store_true",
                     help="one node and the fan-out only (the ratio): no tree, no everyone-from-the-source")

@@ -27,7 +27,7 @@ from tests.fleets import import_model
 from tests.models import tiny_gguf, tiny_safetensors
 from wire import manifest as mf
 from wire.layers import LayerRange
-from wire.pieces import PIECE_BYTES
+from wire.pieces import sized
 
 # Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
 pytestmark = pytest.mark.e2e
@@ -299,7 +299,9 @@ def test_a_resume_rehashes_what_it_finds_without_stalling_the_api(tmp_path: Path
     try:
         size = hashed_in(3)
         digest = import_linked(src, sparse_gguf(tmp_path / "big.gguf", size))
-        sha = json.loads(src.get(f"/v1/manifests/{digest}").content)["files"][0]["sha256"]
+        entry = json.loads(src.get(f"/v1/manifests/{digest}").content)["files"][0]
+        sha, piece = entry["sha256"], entry["piece_bytes"]
+        assert piece == sized(size) and "prefixes" in entry  # an import's pieces, by the file's size
         sparse_gguf(dst.home / "store" / "partial" / f"{sha}.part", size - 1)  # an earlier attempt's bytes
         began = time.monotonic()
         assert put(dst, digest, src).status_code == 202
@@ -316,7 +318,7 @@ def test_a_resume_rehashes_what_it_finds_without_stalling_the_api(tmp_path: Path
         assert progress["state"] == "present", progress
         # The whole pieces found on disk were verified and kept; the unfinished last one (a torn
         # tail after a crash looks the same) is fetched again.
-        assert progress["fetch"]["bytes_fetched"] == size - (size - 1) // PIECE_BYTES * PIECE_BYTES
+        assert progress["fetch"]["bytes_fetched"] == size - (size - 1) // piece * piece
         assert took > 1, took  # long enough for a stall to show
         assert slowest < took / 3, (slowest, took)
     finally:

@@ -166,3 +166,15 @@ def test_a_forged_prefix_is_caught_and_moves_the_digest() -> None:
 def test_a_prefix_list_that_does_not_fit_is_refused(extra: dict[str, object], wrong: str) -> None:
     with pytest.raises(mf.ManifestError, match=f"file 'm.gguf': {wrong}"):
         mf.validate(manifest(entry(**extra)))
+
+
+def test_sized_pieces_are_a_power_of_two_near_a_256th_of_the_file_within_bounds() -> None:
+    mib = 1 << 20
+    assert pieces.sized(0) == pieces.sized(1) == pieces.sized(1 << 30) == 4 * mib  # 1 GiB / 256 = 4 MiB
+    assert pieces.sized((1 << 30) + 1) == 8 * mib  # just past it: the next power of two
+    assert pieces.sized(5 << 30) == 32 * mib
+    assert pieces.sized(140 * 10**9) == 64 * mib  # a 70B model: ~2,100 digests
+    for size in (3, 10**6, 7 * 10**9, 10**12):
+        n = pieces.sized(size)
+        assert n & (n - 1) == 0 and pieces.SIZED_MIN <= n <= pieces.SIZED_MAX
+        assert n == pieces.SIZED_MAX or n == pieces.SIZED_MIN or n // 2 < size / pieces.SIZED_SHARE <= n
