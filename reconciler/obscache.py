@@ -23,6 +23,7 @@ import re
 import stat
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from importlib.machinery import ModuleSpec
 from pathlib import Path
@@ -259,6 +260,26 @@ def write_private(path: Path, magic: bytes, tag: bytes, payload: bytes) -> None:
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
+    _sweep(path)
+
+
+STALE_TEMP_S = 600.0  # a write takes well under a second: a temp file this old is a killed run's
+
+
+def _sweep(path: Path) -> None:
+    """Remove what killed runs left of their writes of `path` (its temp names, this user's plain
+    files, older than STALE_TEMP_S); a run writing now has a fresh one, and nothing else is touched."""
+    prefix, now = f".{path.name}.", time.time()
+    try:
+        with os.scandir(path.parent) as entries:
+            for entry in entries:
+                if not entry.name.startswith(prefix):
+                    continue
+                info = entry.stat(follow_symlinks=False)
+                if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and now - info.st_mtime > STALE_TEMP_S:
+                    os.unlink(entry.path)
+    except OSError:
+        pass  # a leftover stays for the next write to try again; the cache itself was written
 
 
 def _private_directory(path: Path) -> None:

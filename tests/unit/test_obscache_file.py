@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,27 @@ def test_both_caches_read_a_file_through_one_helper(tmp_path: Path) -> None:
                         "others may read or write it (mode 644)"]
     assert obscache.reason(PermissionError(13, "Permission denied", str(path))) == "Permission denied"
     assert obscache.reason(ValueError("its directory is not this user's")) == "its directory is not this user's"
+
+
+def test_a_write_sweeps_what_killed_runs_left_of_its_own_writes_only(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    directory.mkdir(mode=0o700)
+    path = directory / "k.bin"
+    old = time.time() - obscache.STALE_TEMP_S - 60
+    stale, fresh, other = directory / ".k.bin.ab12", directory / ".k.bin.cd34", directory / ".j.bin.ef56"
+    for leftover in (stale, fresh, other):
+        leftover.write_bytes(b"half a write")
+    os.utime(stale, (old, old))
+    os.utime(other, (old, old))  # another fleet file's: not this write's to sweep
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not fleet's")
+    link = directory / ".k.bin.gh78"
+    link.symlink_to(outside)
+    os.utime(link, (old, old), follow_symlinks=False)
+    obscache.write_private(path, b"m\n", b"t\n", marshal.dumps({}))
+    assert not stale.exists()
+    assert fresh.exists() and other.exists() and link.is_symlink() and outside.read_bytes() == b"not fleet's"
+    assert path.exists()
 
 
 def tag_of(tree: Path) -> str:
