@@ -81,8 +81,21 @@ def _versions(*libraries: str) -> str:
         site = Path(spec.origin).parent.parent if spec.submodule_search_locations is not None else Path(spec.origin).parent
         wanted = re.compile(rf"{re.sub(r'[-_.]+', '[-_.]', dist)}-([^-]+)\.dist-info", re.I)
         versions = [m[1] for m in map(wanted.fullmatch, _listing(site)) if m is not None]
-        found.append(f"{dist} {versions[0] if len(versions) == 1 else importlib.metadata.version(dist)}")
+        found.append(f"{dist} {versions[0] if len(versions) == 1 else _version(dist, spec.origin)}")
     return " ".join(found)
+
+
+def _version(dist: str, origin: str) -> str:
+    """The installed metadata's version; for a copy without any (vendored, frozen, zipped), its
+    module file's size and change time stand for it."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            info = os.stat(origin)
+        except OSError:
+            return "unknown"
+        return f"file {info.st_size} {info.st_mtime_ns}"
 
 
 @functools.cache

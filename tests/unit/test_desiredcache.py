@@ -232,3 +232,12 @@ def test_the_libraries_versions_are_read_as_importlib_metadata_reads_them() -> N
     assert desiredcache._versions("PyYAML:yaml", "jsonschema:jsonschema", "fastjsonschema:fastjsonschema") == (
         " ".join(f"{d} {importlib.metadata.version(d)}" for d in ("PyYAML", "jsonschema", "fastjsonschema")))
     assert desiredcache._versions("no-such-thing:no_such_thing") == "no-such-thing none"
+
+
+def test_a_library_without_metadata_is_named_by_its_file_not_a_crash() -> None:
+    # A vendored or frozen copy has no .dist-info: every command imports this tag, so it must not raise.
+    import json
+
+    origin = os.stat(json.__file__)
+    assert desiredcache._versions("no-metadata-here:json") == (
+        f"no-metadata-here file {origin.st_size} {origin.st_mtime_ns}")
