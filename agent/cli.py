@@ -182,12 +182,12 @@ def _piece_size(text: str) -> int | None:
 
     from .fetch import parse_size
 
-    if text == "auto":
+    if text.strip().lower() == "auto":
         return None
     try:
         size = parse_size(text)
     except ValueError as exc:
-        raise Refused(f"--piece-size: {exc}") from None
+        raise Refused(f"--piece-size: {exc}, or auto") from None
     if not MIN_PIECE <= size <= MAX_PIECE:
         raise Refused(f"--piece-size must be from {MIN_PIECE:,} to {MAX_PIECE:,} bytes, not {size:,}")
     return size

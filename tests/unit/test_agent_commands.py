@@ -19,3 +19,14 @@ def test_every_command_of_the_parser_runs_something_and_nothing_else_does() -> N
 def test_a_bare_fleet_agent_prints_the_help_with_the_usage_code(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.run([]) == 64
     assert "usage: fleet-agent" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["auto", "AUTO", " Auto "])
+def test_piece_size_auto_in_any_case_leaves_the_size_to_each_file(text: str) -> None:
+    assert cli._piece_size(text) is None
+
+
+def test_a_piece_size_that_is_not_one_says_auto_is_the_other_choice() -> None:
+    with pytest.raises(cli.Refused, match=r"--piece-size: .*, or auto$"):
+        cli._piece_size("automatic")
+    assert cli._piece_size("4MiB") == 4 << 20
