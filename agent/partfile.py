@@ -142,6 +142,24 @@ class Beside:
             self._thread.join(self.WAIT_S)
         return True
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def stuck(self) -> bool:
+        """A join gave up on a block's hash: that thread may still be advancing the check."""
+        return self._stuck
+
+
+async def close(beside: Beside) -> bool:
+    """Beside.close for a fetch that ends: shielded, since a cancelled fetch must still end the hashing
+    thread (it would wait for a block forever) and stop its abandoned receiver; in a thread, since
+    close waits for the block that receiver may be writing (one block's write and hash)."""
+    with trio.CancelScope(shield=True):
+        quiet = await trio.to_thread.run_sync(beside.close)
+    return quiet
+
 
 async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Partial, download: Download,
                        dest: Path, node: str) -> None:
@@ -163,10 +181,6 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
             good = await trio.to_thread.run_sync(good_pieces, fh, f["pieces"], piece_bytes, size, whole) if have else 0
             check = pieces.Checker(f["pieces"], piece_bytes, size, good)
             beside = Beside(whole)
-        fh.truncate(good)
-        job.bytes_done += good
-        partial.verified = good
-
         def take(chunk: bytes | bytearray | memoryview) -> None:
             with beside.turn():  # all of it: a cancelled fetch cuts the file back only after this block
                 beside.start(chunk)  # hashed on the other core while this one writes
@@ -185,36 +199,46 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
                     fh.flush()  # what peers read must be in the file before they are told it is there
                     partial.verified = check.verified
 
-        if good < size:
-            fh.seek(good)
-            try:
-                await download(f"/v1/blobs/{sha}", good, size - 1, take)
-            except pieces.BadPieceError as exc:
-                b = exc.bad
-                of = f"the sha256 of bytes 0-{b.offset + b.length - 1:,} " if b.prefix else "sha256 "
-                raise FetchError(
-                    f"piece {b.index} of {f['path']} in {job.digest} (bytes {b.offset:,}-{b.offset + b.length - 1:,}) "
-                    f"from peer {job.peer} is corrupt on arrival at node {node!r}: expected {of}{b.expected}, "
-                    f"received {b.actual}; the piece was discarded, the {b.offset:,} verified bytes before it are "
-                    "kept and the next fetch resumes there", "piece_corrupt") from None
-            finally:
-                # Shielded: a cancelled fetch (an agent stopping, a job dropped) still ends the hashing
-                # thread, which would wait for a block forever, and stops its abandoned receiver. In a
-                # thread: close waits for the block that receiver may be writing (one block's write and
-                # hash), since the file is cut back and the counters settled only once nothing writes.
-                with trio.CancelScope(shield=True):
-                    quiet = await trio.to_thread.run_sync(beside.close)
-                if quiet:  # else a write stuck on our disk: the file is left, the next fetch re-checks it
-                    job.bytes_done -= fh.tell() - check.verified
-                    fh.truncate(check.verified)  # only verified pieces are kept: a resume starts on a boundary
-                    fh.flush()
-                    partial.verified = check.verified
-        actual = await trio.to_thread.run_sync(beside.hexdigest)
-        if actual != sha:  # the pieces are pinned by the digest too: a bad manifest, or a bug
-            part.unlink(missing_ok=True)
-            raise FetchError(f"{f['path']} of {job.digest} from peer {job.peer}: every piece matched, but the "
-                             f"file hashes to sha256 {actual}, not {sha}; the bytes were discarded")
-        await trio.to_thread.run_sync(install, fh, part, dest)
+        try:
+            fh.truncate(good)
+            job.bytes_done += good
+            partial.verified = good
+            if good < size:
+                fh.seek(good)
+                try:
+                    await download(f"/v1/blobs/{sha}", good, size - 1, take)
+                except pieces.BadPieceError as exc:
+                    b = exc.bad
+                    of = f"the sha256 of bytes 0-{b.offset + b.length - 1:,} " if b.prefix else "sha256 "
+                    raise FetchError(
+                        f"piece {b.index} of {f['path']} in {job.digest} (bytes {b.offset:,}-"
+                        f"{b.offset + b.length - 1:,}) from peer {job.peer} is corrupt on arrival at node "
+                        f"{node!r}: expected {of}{b.expected}, received {b.actual}; the piece was discarded, "
+                        f"the {b.offset:,} verified bytes before it are kept and the next fetch resumes there",
+                        "piece_corrupt") from None
+                finally:
+                    # The file is cut back and the counters settled once nothing writes: after close.
+                    # A close that gave up (a write stuck on our disk) leaves the file to the next re-check.
+                    if await close(beside):
+                        # Read once. After a stuck hash (a join gave up) its thread may still advance
+                        # check.verified; what take last published, inside its turn, is written and checked.
+                        kept = partial.verified if beside.stuck else check.verified
+                        job.bytes_done -= fh.tell() - kept
+                        fh.truncate(kept)  # only verified pieces are kept: a resume starts on a boundary
+                        fh.flush()
+                        partial.verified = kept
+            actual = await trio.to_thread.run_sync(beside.hexdigest)
+            if actual != sha:  # the pieces are pinned by the digest too: a bad manifest, or a bug
+                part.unlink(missing_ok=True)
+                raise FetchError(f"{f['path']} of {job.digest} from peer {job.peer}: every piece matched, but "
+                                 f"the file hashes to sha256 {actual}, not {sha}; the bytes were discarded")
+            await trio.to_thread.run_sync(install, fh, part, dest)
+        finally:
+            # A fetch that ends before the download's own close still ends the hashing thread: a cancel
+            # delivered as hexdigest's thread starts, after a re-check found the file whole (no
+            # download), or an error. Not again after a close that gave up: it waited TURN_S already.
+            if not beside.closed:
+                await close(beside)
     partial.path = dest
     partial.verified = size
 

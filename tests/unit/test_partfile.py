@@ -6,8 +6,11 @@ corrupt piece is discarded and named, a resume re-checks what is held and goes o
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -16,7 +19,7 @@ import pytest
 import trio
 
 from agent.forward import Partial
-from agent.partfile import FetchError, LocalWrite, Take, write_pieced
+from agent.partfile import Beside, FetchError, LocalWrite, Take, write_pieced
 from wire import pieces
 
 PIECE = pieces.MIN_PIECE
@@ -100,13 +103,24 @@ def test_a_cancelled_fetch_leaves_no_hashing_thread_and_its_abandoned_receiver_s
     assert part.stat().st_size == partial.verified == 0  # what is kept ends on a piece boundary, for the resume
 
 
+def waiting_for_the_turn() -> bool:
+    """Whether a thread is in Beside.close, blocked taking the turn that a receiver holds: all a
+    fetch that waits for the block in flight can do until that block is done. Read from the
+    threads' frames (no product code replaced); never true of a Beside without that turn."""
+    lines, first = inspect.getsourcelines(Beside.close)
+    at = {first + i for i, line in enumerate(lines) if "self._turn.acquire(" in line}
+    code = Beside.close.__code__
+    return any(f.f_code is code and f.f_lineno in at for f in sys._current_frames().values())
+
+
 class HeldJob:
     """A job whose counters, when the receiving thread counts its second block (written, not yet
     checked), cancel the fetch and hold that block in flight until the fetch's own thread touches
-    them, which it must not do before that block is done. A fetch that waits as it should is never
-    seen to: HOLD_S then ends the hold (it bounds the test's length, not what the test decides)."""
+    them (which it must not do before that block is done) or the fetch is seen waiting for the
+    block's turn to end. No timer decides: a broken fetch, however slow, touches them first;
+    SAFETY_S only ends a test whose fetch does neither, which then fails."""
 
-    HOLD_S = 0.5
+    SAFETY_S = 30.0
 
     def __init__(self) -> None:
         self.digest, self.peer = "sha256:" + "ab" * 32, "http://peer"
@@ -114,7 +128,7 @@ class HeldJob:
         self.cancel: Callable[[], None] = lambda: None
         self.fetch_thread = threading.current_thread()
         self.touched = threading.Event()
-        self.touched_in_flight = False
+        self.touched_in_flight = self.seen_waiting = False
         self._done = 0
 
     @property
@@ -132,7 +146,12 @@ class HeldJob:
         if self.blocks == 2:
             self.touched.clear()  # the fetch counted what it found held before the first block
             trio.from_thread.run_sync(self.cancel)
-            self.touched_in_flight = self.touched.wait(self.HOLD_S)
+            end = time.monotonic() + self.SAFETY_S
+            while not self.touched.wait(0.005) and time.monotonic() < end:
+                if waiting_for_the_turn():
+                    self.seen_waiting = True
+                    break
+            self.touched_in_flight = self.touched.is_set()
 
 
 @pytest.mark.parametrize("form", ["prefixes", "pieces"])
@@ -172,10 +191,58 @@ def test_a_cancelled_fetch_cuts_its_file_back_only_after_the_block_in_flight(tmp
     trio.run(main)
     assert ended.wait(10)
     assert not job.touched_in_flight, "the fetch settled its counters while a block was still being written"
+    assert job.seen_waiting, "the fetch was not seen waiting for the block in flight"
     assert refused == [2 * PIECE], "the block after the cancelled one was not refused"
     assert at_return == {"size": 2 * PIECE, "verified": 2 * PIECE, "done": 2 * PIECE}
     assert (part.stat().st_size, partial.verified, job.bytes_done) == (2 * PIECE, 2 * PIECE, 2 * PIECE)
     assert part.read_bytes() == data[:2 * PIECE]
+
+
+class CancelsAsItCounts:
+    """A job that cancels its fetch when the fetch counts what it found held: after the re-check,
+    before the whole file's hash is read, where a cancel during the re-check is delivered."""
+
+    def __init__(self, cancel: Callable[[], None]) -> None:
+        self.digest, self.peer = "sha256:" + "ab" * 32, "http://peer"
+        self.bytes_fetched, self._done = 0, 0
+        self.cancel = cancel
+
+    @property
+    def bytes_done(self) -> int:
+        return self._done
+
+    @bytes_done.setter
+    def bytes_done(self, value: int) -> None:
+        self._done = value
+        self.cancel()
+
+
+@pytest.mark.parametrize("form", ["prefixes", "pieces"])
+def test_a_fetch_cancelled_as_it_rechecks_a_whole_held_file_leaves_no_hashing_thread(tmp_path: Path, form: str) -> None:
+    # A held file that is whole needs no download, whose finally was the one place that ended the
+    # hashing thread: a cancel landing during the re-check (delivered as hexdigest's thread starts)
+    # left that thread waiting for a block forever, one a cancelled fetch.
+    data = os.urandom(4 * PIECE + 7)
+    part, dest = tmp_path / "m.part", tmp_path / "dest"
+    part.write_bytes(data)
+    f = entry(data, form)
+    partial = Partial(part, len(data), progress=lambda: 0)
+    before = set(hashing_threads())
+
+    async def nothing(path: str, first: int, last: int, take: Take) -> int:
+        raise AssertionError("the held file is whole: nothing to download")
+
+    async def main() -> bool:
+        with trio.CancelScope() as scope:
+            await write_pieced(CancelsAsItCounts(scope.cancel), part, f, partial, nothing, dest, "n1")
+        return scope.cancelled_caught
+
+    assert trio.run(main), "the fetch ended before its cancel was delivered"
+    assert not set(hashing_threads()) - before, "the whole-file hash thread was left waiting"
+    assert part.read_bytes() == data and not dest.exists()  # kept whole for the next fetch, which installs it
+    trio.run(write_pieced, Job(), part, f, partial, nothing, dest, "n1")
+    assert dest.read_bytes() == data and partial.verified == len(data)
+    assert not set(hashing_threads()) - before
 
 
 @pytest.mark.parametrize("form", ["prefixes", "pieces"])
