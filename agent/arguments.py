@@ -76,8 +76,8 @@ def build_parser() -> Parser:
     p.add_argument("--key-file", metavar="FILE", help=key_help)
     p.add_argument("--piece-size", default="auto", metavar="SIZE",
                    help="size of the pieces a receiver verifies and forwards as they arrive; part of the "
-                        "digest (default: auto, by each file's size: 1/256 of it rounded up to a power of "
-                        "two, from 4MiB to 64MiB)")
+                        "digest; auto sizes them by each file: 1/256 of it rounded up to a power of two, "
+                        "from 4MiB to 64MiB (default: auto)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
     p = sub.add_parser("make-test-model", help="write a tiny random Llama (safetensors dir or GGUF file)",
