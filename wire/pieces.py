@@ -128,19 +128,29 @@ class BadPieceError(Exception):
         self.bad = bad
 
 
-class Checker:
-    """Checks a file's pieces as its bytes arrive from `start` (a piece boundary) on. `verified` is
-    the length of the file's good prefix: bytes past it are never served or kept."""
+class _Checking:
+    """What both checks share: bytes fed from a piece boundary on, each piece judged as it ends
+    (`_digest`), after which `_settle` readies the hash for the next piece or, after a bad piece,
+    puts it back where the good prefix ends, so that the piece can be fed again."""
 
-    def __init__(self, pieces: list[str], piece_bytes: int, size: int, start: int = 0) -> None:
+    expected: list[str]
+    prefix = False
+
+    def __init__(self, piece_bytes: int, size: int, start: int) -> None:
         assert start % piece_bytes == 0 or start == size, "a check starts on a piece boundary"
-        self.pieces, self.piece_bytes, self.size = pieces, piece_bytes, size
+        self.piece_bytes, self.size = piece_bytes, size
         self.verified = start
-        self._h = hashlib.sha256()
         self._at = start  # bytes fed so far, counted from the file's start
+        self._h: Any = None
 
     def _end(self) -> int:
         return min(self.verified + self.piece_bytes, self.size)
+
+    def _digest(self) -> str:
+        raise NotImplementedError
+
+    def _settle(self, good: bool) -> None:
+        raise NotImplementedError
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         """Feed bytes; raises BadPieceError at the first piece that does not match."""
@@ -154,13 +164,30 @@ class Checker:
             view = view[take:]
             if self._at == self._end():
                 index = self.verified // self.piece_bytes
-                actual = self._h.hexdigest()
-                self._h = hashlib.sha256()
-                if actual != self.pieces[index]:
+                actual = self._digest()
+                if actual != self.expected[index]:
+                    self._settle(good=False)
                     self._at = self.verified
                     raise BadPieceError(BadPiece(index, self.verified, self._end() - self.verified,
-                                                 self.pieces[index], actual))
+                                                 self.expected[index], actual, prefix=self.prefix))
+                self._settle(good=True)
                 self.verified = self._at
+
+
+class Checker(_Checking):
+    """Checks a file's pieces as its bytes arrive from `start` (a piece boundary) on. `verified` is
+    the length of the file's good prefix: bytes past it are never served or kept."""
+
+    def __init__(self, pieces: list[str], piece_bytes: int, size: int, start: int = 0) -> None:
+        super().__init__(piece_bytes, size, start)
+        self.pieces = self.expected = pieces
+        self._h = hashlib.sha256()
+
+    def _digest(self) -> str:
+        return str(self._h.hexdigest())
+
+    def _settle(self, good: bool) -> None:
+        self._h = hashlib.sha256()  # each piece is hashed on its own, good or bad
 
 
 class PrefixHasher:
@@ -193,42 +220,29 @@ class PrefixHasher:
         return self.prefixes, whole
 
 
-class PrefixChecker:
+class PrefixChecker(_Checking):
     """Checks a file's prefix digests as its bytes arrive from `start` (a piece boundary, with
     `running` the sha256 of the bytes before it) on: the one hash of each byte, the whole file's
     at the end. `verified` is the length of the file's good prefix; after a bad piece the hash is
     back where that prefix ends, so the piece can be fed again."""
 
+    prefix = True
+
     def __init__(self, prefixes: list[str], piece_bytes: int, size: int, start: int = 0,
                  running: Any = None) -> None:
-        assert start % piece_bytes == 0 or start == size, "a check starts on a piece boundary"
-        self.prefixes, self.piece_bytes, self.size = prefixes, piece_bytes, size
-        self.verified = start
+        super().__init__(piece_bytes, size, start)
+        self.prefixes = self.expected = prefixes
         self._h = running if running is not None else hashlib.sha256()
         self._good = self._h.copy()  # the hash at `verified`: what a bad piece falls back to
-        self._at = start
 
-    def _end(self) -> int:
-        return min(self.verified + self.piece_bytes, self.size)
+    def _digest(self) -> str:
+        return str(self._h.copy().hexdigest())
 
-    def update(self, data: bytes | bytearray | memoryview) -> None:
-        """Feed bytes; raises BadPieceError at the first piece whose prefix does not match."""
-        view = memoryview(data)
-        if len(view) > self.size - self._at:
-            raise ValueError(f"{len(view)} bytes fed past the file's end ({self.size - self._at} left)")
-        while len(view):
-            take = min(self._end() - self._at, len(view))
-            self._h.update(view[:take])
-            self._at += take
-            view = view[take:]
-            if self._at == self._end():
-                index = self.verified // self.piece_bytes
-                actual = self._h.copy().hexdigest()
-                if actual != self.prefixes[index]:
-                    self._at, self._h = self.verified, self._good.copy()
-                    raise BadPieceError(BadPiece(index, self.verified, self._end() - self.verified,
-                                                 self.prefixes[index], actual, prefix=True))
-                self.verified, self._good = self._at, self._h.copy()
+    def _settle(self, good: bool) -> None:
+        if good:
+            self._good = self._h.copy()
+        else:
+            self._h = self._good.copy()
 
     def hexdigest(self) -> str:
         """The sha256 of the bytes verified so far: the whole file's once `verified` is its size."""

@@ -64,6 +64,8 @@ def test_a_flipped_byte_names_its_piece_and_keeps_the_prefix(flip: int) -> None:
     assert err.value.bad.actual == hashlib.sha256(bytes(bad[index * P:(index + 1) * P])).hexdigest()
     assert c.verified == index * P  # nothing of the bad piece counts as verified
     assert f"piece {index} " in str(err.value)
+    c.update(DATA[index * P:])  # the good piece fed again verifies: the piece's hash started anew
+    assert c.verified == len(DATA)
 
 
 def test_a_resume_starts_on_a_piece_boundary() -> None:
