@@ -58,12 +58,13 @@ class Beside:
     comes out of the `join` after it. Both are called inside a `turn`, which `close` waits for."""
 
     WAIT_S = 60.0  # a hasher this far behind is a stuck machine: the fetch fails (and resumes)
-    # A turn is one block's write plus its hash, whose join gives up after WAIT_S: a turn longer
-    # than this is a write stuck on our disk.
-    TURN_S = 2 * WAIT_S
 
-    def __init__(self, whole: Any) -> None:
+    def __init__(self, whole: Any, wait_s: float = WAIT_S) -> None:
         self.whole = whole
+        self.wait_s = wait_s
+        # A turn is one block's write plus its hash, whose join gives up after wait_s: a turn longer
+        # than this is a write stuck on our disk.
+        self.turn_s = 2 * wait_s
         self._block: bytes | bytearray | memoryview | None = None
         self._error: Exception | None = None
         self._go = threading.Semaphore(0)
@@ -108,9 +109,9 @@ class Beside:
 
     def join(self) -> None:
         if self._busy:
-            if not self._done.acquire(timeout=self.WAIT_S):
+            if not self._done.acquire(timeout=self.wait_s):
                 self._stuck = True
-                raise LocalWrite(OSError(f"the whole-file hash took over {self.WAIT_S:.0f} s for one block"))
+                raise LocalWrite(OSError(f"the whole-file hash took over {self.wait_s:g} s for one block"))
             self._busy, self._block = False, None
             if (error := self._error) is not None:
                 self._error = None
@@ -118,18 +119,18 @@ class Beside:
 
     def hexdigest(self) -> str:
         if not self.close() or self._thread.is_alive():
-            raise LocalWrite(OSError(f"the whole-file hash did not end within {self.WAIT_S:.0f} s"))
+            raise LocalWrite(OSError(f"the whole-file hash did not end within {self.wait_s:g} s"))
         return str(self.whole.hexdigest())
 
     def close(self) -> bool:
         """Wait for the turn in progress, refuse every turn from now on and end the thread (after a
         stuck hash, when that hash ends). Blocks for up to one block's write and hash: call it off
-        the event loop. False when the turn outlasted TURN_S (a stuck write): its receiver is still
+        the event loop. False when the turn outlasted turn_s (a stuck write): its receiver is still
         in it. Idempotent."""
         # Marked before the lock is taken, which a receiver going from one block to the next would
         # win again and again (a lock is not fair): its next turn reads this before it writes.
         self._closed = True
-        if not self._turn.acquire(timeout=self.TURN_S):
+        if not self._turn.acquire(timeout=self.turn_s):
             return False
         try:
             if not self._ended:
@@ -139,11 +140,12 @@ class Beside:
         finally:
             self._turn.release()
         if not self._stuck:
-            self._thread.join(self.WAIT_S)
+            self._thread.join(self.wait_s)
         return True
 
     @property
     def closed(self) -> bool:
+        """A close was begun: it may have given up on a stuck write (see close), and is not waited for twice."""
         return self._closed
 
     @property
@@ -162,9 +164,10 @@ async def close(beside: Beside) -> bool:
 
 
 async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Partial, download: Download,
-                       dest: Path, node: str) -> None:
+                       dest: Path, node: str, hashing: Callable[[Any], Beside] = Beside) -> None:
     """Fetch the file `f` (a manifest entry with a piece list) into `part`: each piece checked as it
-    lands, then published to `partial` (served to peers); the whole file checked at the end."""
+    lands, then published to `partial` (served to peers); the whole file checked at the end.
+    `hashing` makes the Beside that runs a hash (a test's makes one that is slow to answer)."""
     size, piece_bytes, sha = f["size"], f["piece_bytes"], f["sha256"]
     prefixed = "prefixes" in f
     fh, have = await trio.to_thread.run_sync(open_part, part, size)
@@ -175,12 +178,12 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
         if prefixed:
             good, running = await trio.to_thread.run_sync(good_prefix, fh, f["prefixes"], piece_bytes, size)
             check = pieces.PrefixChecker(f["prefixes"], piece_bytes, size, good, running)
-            beside = Beside(check)  # the one running hash, on the other core: it checks and ends as the sha256
+            beside = hashing(check)  # the one running hash, on the other core: it checks and ends as the sha256
         else:
             whole = hashlib.sha256()
             good = await trio.to_thread.run_sync(good_pieces, fh, f["pieces"], piece_bytes, size, whole) if have else 0
             check = pieces.Checker(f["pieces"], piece_bytes, size, good)
-            beside = Beside(whole)
+            beside = hashing(whole)
         def take(chunk: bytes | bytearray | memoryview) -> None:
             with beside.turn():  # all of it: a cancelled fetch cuts the file back only after this block
                 beside.start(chunk)  # hashed on the other core while this one writes
@@ -221,7 +224,8 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
                     # A close that gave up (a write stuck on our disk) leaves the file to the next re-check.
                     if await close(beside):
                         # Read once. After a stuck hash (a join gave up) its thread may still advance
-                        # check.verified; what take last published, inside its turn, is written and checked.
+                        # check.verified; what take last published, inside its turn, is written and checked
+                        # (a piece checked but not published is fetched again: at most one).
                         kept = partial.verified if beside.stuck else check.verified
                         job.bytes_done -= fh.tell() - kept
                         fh.truncate(kept)  # only verified pieces are kept: a resume starts on a boundary
@@ -236,7 +240,7 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
         finally:
             # A fetch that ends before the download's own close still ends the hashing thread: a cancel
             # delivered as hexdigest's thread starts, after a re-check found the file whole (no
-            # download), or an error. Not again after a close that gave up: it waited TURN_S already.
+            # download), or an error. Not again after a close that gave up: it waited turn_s already.
             if not beside.closed:
                 await close(beside)
     partial.path = dest

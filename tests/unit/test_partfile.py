@@ -245,6 +245,77 @@ def test_a_fetch_cancelled_as_it_rechecks_a_whole_held_file_leaves_no_hashing_th
     assert not set(hashing_threads()) - before
 
 
+class SlowToAnswer:
+    """The fetch's running check, whose hash of the second block waits for `release`: a hash that
+    outlasts the join's wait and goes on after the fetch gave up on it."""
+
+    def __init__(self, check: Any) -> None:
+        self.check, self.calls = check, 0
+        self.entered, self.release, self.advanced = threading.Event(), threading.Event(), threading.Event()
+
+    def update(self, block: Any) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.entered.set()
+            self.release.wait(30)
+        self.check.update(block)
+        if self.calls == 2:
+            self.advanced.set()
+
+    def hexdigest(self) -> str:
+        return str(self.check.hexdigest())
+
+
+class ReleasesAsItCutsBack:
+    """A job that lets the stuck hash go on as the fetch takes its count back (the cut-back after
+    the fetch gave up), and waits for it to move the check's verified mark."""
+
+    def __init__(self, slow: list[SlowToAnswer]) -> None:
+        self.digest, self.peer = "sha256:" + "ab" * 32, "http://peer"
+        self.bytes_fetched, self._done, self.slow = 0, 0, slow
+
+    @property
+    def bytes_done(self) -> int:
+        return self._done
+
+    @bytes_done.setter
+    def bytes_done(self, value: int) -> None:
+        if value < self._done and self.slow and self.slow[0].entered.is_set():
+            self.slow[0].release.set()
+            self.slow[0].advanced.wait(10)
+        self._done = value
+
+
+def test_a_hash_stuck_past_its_wait_cannot_move_the_cut_back_while_it_is_made(tmp_path: Path) -> None:
+    # The join gives up on a block's hash (a stuck machine); that hash may still end and advance the
+    # check's verified mark while the fetch cuts the file back and settles its counters, which read
+    # the mark more than once: the file was cut to one value and the count and peers told another.
+    data = os.urandom(4 * PIECE)
+    part, f = tmp_path / "m.part", entry(data)
+    partial = Partial(part, len(data), progress=lambda: 0)
+    slow: list[SlowToAnswer] = []
+    before = set(hashing_threads())
+
+    def hashing(check: Any) -> Beside:
+        slow.append(SlowToAnswer(check))
+        return Beside(slow[-1], wait_s=0.2)
+
+    async def by_piece(path: str, first: int, last: int, take: Take) -> int:
+        for at in range(first, last + 1, PIECE):
+            await trio.to_thread.run_sync(take, data[at:at + PIECE])
+        return 200
+
+    job = ReleasesAsItCutsBack(slow)
+    with pytest.raises(LocalWrite, match="took over 0.2 s"):
+        trio.run(lambda: write_pieced(job, part, f, partial, by_piece, tmp_path / "dest", "n1", hashing))
+    assert slow[0].advanced.is_set() and slow[0].check.verified == 2 * PIECE  # it moved during the cut-back
+    assert (part.stat().st_size, partial.verified, job.bytes_done) == (PIECE, PIECE, PIECE)
+    assert part.read_bytes() == data[:PIECE]
+    for t in set(hashing_threads()) - before:
+        t.join(10)
+    assert not set(hashing_threads()) - before
+
+
 @pytest.mark.parametrize("form", ["prefixes", "pieces"])
 def test_a_whole_fetch_ends_its_hashing_thread_and_installs_the_file(tmp_path: Path, form: str) -> None:
     data = os.urandom(10 * PIECE + 123)
