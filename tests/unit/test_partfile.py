@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from agent.forward import Partial
-from agent.partfile import Beside, FetchError, LocalWrite, Take, write_pieced
+from agent.partfile import Beside, FetchError, LocalWrite, Signal, Take, write_pieced
 from wire import pieces
 
 PIECE = pieces.MIN_PIECE
@@ -381,3 +381,17 @@ def test_a_held_piece_that_rotted_is_fetched_again_with_everything_after_it(tmp_
     trio.run(write_pieced, Job(), part, entry(data), Partial(part, len(data), progress=lambda: 0),
              serving(data, asked), dest, "n1")
     assert asked == [2 * PIECE] and dest.read_bytes() == data
+
+
+def test_a_signal_wakes_one_wait_and_a_second_set_before_it_is_the_same_set() -> None:
+    signal = Signal()
+    assert not signal.wait(0.01)  # nothing set: the wait gives up
+    signal.set()
+    signal.set()  # not counted
+    assert signal.wait(0.01) and not signal.wait(0.01)
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(signal.wait(10)))
+    waiter.start()
+    signal.set()  # from another thread than the one that waits
+    waiter.join(10)
+    assert woke == [True]
