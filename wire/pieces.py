@@ -81,14 +81,18 @@ def check_entry(f: dict[str, Any], hex_re: Any) -> str | None:
     return None
 
 
-class Hasher:
-    """The sha256 of each piece of a stream, fed in chunks of any size."""
+class _Hashing:
+    """What both listings share: a stream fed in chunks of any size, a digest listed at the end of
+    each piece (`_at_piece_end`: the piece's own, or the prefix's)."""
 
-    def __init__(self, piece_bytes: int = PIECE_BYTES) -> None:
+    def __init__(self, piece_bytes: int) -> None:
         self.piece_bytes = piece_bytes
-        self.pieces: list[str] = []
+        self.listed: list[str] = []
         self._h = hashlib.sha256()
         self._left = piece_bytes
+
+    def _at_piece_end(self) -> str:
+        raise NotImplementedError
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data)
@@ -98,13 +102,26 @@ class Hasher:
             self._left -= take
             view = view[take:]
             if self._left == 0:
-                self.pieces.append(self._h.hexdigest())
-                self._h, self._left = hashlib.sha256(), self.piece_bytes
+                self.listed.append(self._at_piece_end())
+                self._left = self.piece_bytes
+
+
+class Hasher(_Hashing):
+    """The sha256 of each piece of a stream, fed in chunks of any size."""
+
+    def __init__(self, piece_bytes: int = PIECE_BYTES) -> None:
+        super().__init__(piece_bytes)
+        self.pieces = self.listed
+
+    def _at_piece_end(self) -> str:
+        digest = str(self._h.hexdigest())
+        self._h = hashlib.sha256()
+        return digest
 
     def finish(self) -> list[str]:
         if self._left != self.piece_bytes:
-            self.pieces.append(self._h.hexdigest())
-            self._h, self._left = hashlib.sha256(), self.piece_bytes
+            self.pieces.append(self._at_piece_end())
+            self._left = self.piece_bytes
         return self.pieces
 
 
@@ -190,26 +207,16 @@ class Checker(_Checking):
         self._h = hashlib.sha256()  # each piece is hashed on its own, good or bad
 
 
-class PrefixHasher:
+class PrefixHasher(_Hashing):
     """The sha256 of each prefix of a stream ending on a piece boundary (the last at its end), and
     the whole stream's sha256, in one pass, fed in chunks of any size."""
 
     def __init__(self, piece_bytes: int = PIECE_BYTES) -> None:
-        self.piece_bytes = piece_bytes
-        self.prefixes: list[str] = []
-        self._h = hashlib.sha256()
-        self._left = piece_bytes
+        super().__init__(piece_bytes)
+        self.prefixes = self.listed
 
-    def update(self, data: bytes | bytearray | memoryview) -> None:
-        view = memoryview(data)
-        while len(view):
-            take = min(self._left, len(view))
-            self._h.update(view[:take])
-            self._left -= take
-            view = view[take:]
-            if self._left == 0:
-                self.prefixes.append(self._h.copy().hexdigest())
-                self._left = self.piece_bytes
+    def _at_piece_end(self) -> str:
+        return str(self._h.copy().hexdigest())
 
     def finish(self) -> tuple[list[str], str]:
         """(the prefix digests, the whole stream's sha256); an empty stream has no prefix."""
