@@ -25,6 +25,7 @@ from wire.state import Inventory, WeightsEntry
 
 from . import __version__, simhttp
 from .app import AgentContext, Spawner, create_app
+from .asgi import answer_lifespan
 from .fetch import Fetcher
 from .identity import Identity
 from .inventory import GpuProbe, SimulatedGpus, measure
@@ -122,13 +123,7 @@ class _ByAddress:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await answer_lifespan(receive, send)
         await self.apps[scope["server"][0]](scope, receive, send)
 
 

@@ -15,6 +15,7 @@ import trio
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..asgi import answer_lifespan
 from ..auth import worker_guard
 from . import openai_wire as wire
 from .pipeline_group import Group, GroupSpec
@@ -45,13 +46,7 @@ class Guard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await answer_lifespan(receive, send)
         if scope["type"] != "http":
             return
         st, spec = self.status, self.status.spec
