@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import ssl
 import time
@@ -17,7 +18,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from wire.http import MAX_HEAD, HeadTooLarge, MalformedHead, split_head
+from wire.http import MAX_HEAD, HeadTooLarge, MalformedHead, ResponseHead, split_head
 
 RECV = 1 << 20
 BLOCK = 512 << 10  # a bulk body is handed on in blocks of this size (bounded by FILL_S): see _fill
@@ -29,38 +30,66 @@ NAP_BELOW = 256 << 10
 NAP_S = 0.002
 BULK = 8 << 20  # bodies larger than this are received in a worker thread
 IDLE_TIMEOUT = 60.0  # a peer that sends nothing for this long is given up on (the fetch can resume)
+# The floor a body must keep, as a sender holds its readers to (agent/blobs.py): every MiB (or the
+# rest) within IDLE_TIMEOUT, so a peer that drips a byte a minute cannot keep a fetch for ever.
+FLOOR = 1 << 20
 
 
-def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | bytearray | memoryview], None]) -> int:
+class Floor:
+    """Holds a body to FLOOR bytes (or the rest) every `patience` seconds: `left()` is how long the
+    next read may wait, `got(n)` counts what came."""
+
+    def __init__(self, want: int, patience: float = IDLE_TIMEOUT) -> None:
+        self.want, self.have, self.patience = want, 0, patience
+        self._due, self._mark = time.monotonic() + patience, min(want, FLOOR)
+
+    def left(self) -> float:
+        return self._due - time.monotonic()
+
+    def got(self, n: int) -> None:
+        self.have += n
+        if self.have >= self._mark:
+            self._due, self._mark = time.monotonic() + self.patience, min(self.want, self.have + FLOOR)
+
+    def slow(self, base: str, path: str) -> PeerError:
+        return PeerError(f"peer {base} sent under {FLOOR >> 20} MiB in {self.patience:g} s of {path} ({self.have:,} "
+                         f"of {self.want:,} bytes so far)", resumable=True, code="peer_too_slow")
+
+
+def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | bytearray | memoryview], None],
+                      base: str, path: str, patience: float) -> int:
     """Receive up to `want` bytes on a duplicate of `fd`, blocking; returns how many arrived."""
     # A duplicate descriptor: closing it leaves trio's socket open. Both share O_NONBLOCK, which
     # Python's timeout mode expects anyway (it polls, then reads).
     sock = socket.socket(fileno=os.dup(fd))
+    floor = Floor(want, patience)
     try:
-        sock.settimeout(IDLE_TIMEOUT)
         view = memoryview(bytearray(BLOCK))
-        got = 0
-        while got < want:
-            n, ended = _fill(sock, view, min(BLOCK, want - got))
+        while floor.have < want:
+            if (left := floor.left()) <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
+            n, ended = _fill(sock, view, min(BLOCK, want - floor.have))
             if n:
                 on_data(view[:n])
-                got += n
+                floor.got(n)
             if ended:
                 break
-        return got
+        return floor.have
     except TimeoutError:
-        raise PeerError(f"peer sent nothing for {IDLE_TIMEOUT:.0f}s", resumable=True) from None
+        raise floor.slow(base, path) from None
     finally:
         sock.close()
 
 
 def _fill(sock: socket.socket, view: memoryview, size: int) -> tuple[int, bool]:
     """Receive into view[:size] until it is full, or FILL_S after the first byte: (bytes, the peer
-    closed). The consumer's per-call cost (two hashes started, a write, a thread handed a block) is
+    closed). The first read waits as long as the socket's timeout says (TimeoutError after it). The consumer's per-call cost (two hashes started, a write, a thread handed a block) is
     paid once a block, not once a recv; the bound keeps a slow link's bytes flowing on. A block the
     size of a core's L2 cache (512 KiB here) is hashed and written while it is still there, and
     holds the socket up briefly: a chain of three behind 1 Gbit/s links ran 9.7-9.8 s a GiB with
     it, 11.5-11.7 s with 4 MiB blocks (CPU per GiB within the runs' noise)."""
+    timeout = sock.gettimeout()
     n = sock.recv_into(view[:size])  # TimeoutError: the peer is idle
     if not n:
         return 0, True
@@ -81,7 +110,7 @@ def _fill(sock: socket.socket, view: memoryview, size: int) -> tuple[int, bool]:
             if n < NAP_BELOW:  # faster than the link: let it fill the socket a moment, not wake per segment
                 time.sleep(min(NAP_S, max(0.0, until - time.monotonic())))
     finally:
-        sock.settimeout(IDLE_TIMEOUT)
+        sock.settimeout(timeout)
     return filled, False
 
 
@@ -147,44 +176,51 @@ _TLS_MISMATCH = frozenset({"WRONG_VERSION_NUMBER", "UNSUPPORTED_PROTOCOL", "TLSV
 
 async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | bytearray | memoryview], None], *,
               start: int | None = None, end: int | None = None,
-              ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None) -> int:
+              ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None,
+              patience: float = IDLE_TIMEOUT) -> int:
     """GET base+path (bytes start..end inclusive when given), feeding the body to `on_data` as it
     arrives. Returns the status (200 or 206). Raises PeerError with the peer's own message. Over
-    TLS the peer's certificate is checked against `server_hostname` (else the URL's host)."""
-    stream, hostport = await _connect(base, ssl_context, server_hostname)
+    TLS the peer's certificate is checked against `server_hostname` (else the URL's host). Every
+    wait is bounded: the connection and the answer's head within `patience` seconds, then the body
+    at FLOOR bytes every `patience` (a peer that stalls or drips is given up on; the fetch resumes)."""
+    connected = None
+    with trio.move_on_after(patience):
+        connected = await _connect(base, ssl_context, server_hostname)
+    if connected is None:
+        raise PeerError(f"peer {base} did not take a connection for {path} within {patience:g} s",
+                        resumable=True, code="peer_too_slow")
+    stream, hostport = connected
     async with stream:
         range_header = f"Range: bytes={start}-{'' if end is None else end}\r\n" if start is not None else ""
         request = (f"GET {path} HTTP/1.1\r\nHost: {hostport}\r\nAuthorization: Bearer {secret}\r\n"
                    f"{range_header}Connection: close\r\nUser-Agent: fleet-agent\r\n\r\n")
         try:
-            await stream.send_all(request.encode())
-            buf = b""
+            split = None
+            with trio.move_on_after(patience):
+                split = await _ask(stream, request.encode(), base, path)
+            if split is None:
+                raise PeerError(f"peer {base} sent no whole answer head for {path} within {patience:g} s",
+                                resumable=True, code="peer_too_slow")
+            head, body = split
             try:
-                while (split := split_head(buf)) is None:
-                    chunk = await stream.receive_some(RECV)
-                    if not chunk:
-                        raise PeerError(f"peer {base} closed the connection before answering {path}",
-                                        resumable=True)
-                    buf += chunk
-                head, body = split
                 length = head.content_length()
-            except HeadTooLarge:
-                raise PeerError(f"peer {base} sent an oversized response head for {path}") from None
             except MalformedHead as exc:
                 raise PeerError(f"peer {base} sent a {exc} for {path}") from None
             if length is None:
                 raise PeerError(f"peer {base} sent no Content-Length for {path}")
             status = head.status
             if status not in (200, 206):
-                while len(body) < min(length, MAX_HEAD):
-                    more = await stream.receive_some(RECV)
-                    if not more:
-                        break
-                    body += more
+                with trio.move_on_after(patience):  # the error's text, if it comes: a bounded wait
+                    while len(body) < min(length, MAX_HEAD):
+                        more = await stream.receive_some(RECV)
+                        if not more:
+                            break
+                        body += more
                 raise PeerError(f"peer {base} answered {status} for {path}: {_message(body)}", status=status,
                                 resumable=status >= 500, answer_code=_code(body))
             if start is not None and start > 0 and status != 206:
                 raise PeerError(f"peer {base} ignored the Range request for {path}")
+            _check_range(head, length, start, end, base, path)
             got = 0
             if body:
                 on_data(body[:length])
@@ -195,14 +231,20 @@ async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | byte
                 # loop ran about 20% slower (smaller reads, an event-loop pass per read).
                 # abandon_on_cancel: a shutting-down agent does not wait for the transfer to end.
                 got += await trio.to_thread.run_sync(_blocking_receive, stream.socket.fileno(), length - got,
-                                                     on_data, abandon_on_cancel=True)
+                                                     on_data, base, path, patience, abandon_on_cancel=True)
             else:  # small bodies, and everything over TLS
-                while got < length:
-                    chunk = await stream.receive_some(min(RECV, length - got))
+                floor = Floor(length - got, patience)
+                while floor.have < floor.want:
+                    chunk = None
+                    with trio.move_on_after(max(0.0, floor.left())):
+                        chunk = await stream.receive_some(min(RECV, floor.want - floor.have))
+                    if chunk is None:
+                        raise floor.slow(base, path)
                     if not chunk:
                         break
                     on_data(chunk)
-                    got += len(chunk)
+                    floor.got(len(chunk))
+                got += floor.have
             if got < length:
                 raise PeerError(f"peer {base} closed the connection after {got} of {length} bytes of {path}",
                                 resumable=True)
@@ -211,8 +253,44 @@ async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | byte
             raise PeerError(f"connection to peer {base} broke during {path}: {exc}", resumable=True) from None
 
 
+async def _ask(stream: trio.abc.Stream, request: bytes, base: str, path: str) -> tuple[ResponseHead, bytes]:
+    """Send the request and read the answer's head: (head, the body bytes that came with it)."""
+    await stream.send_all(request)
+    buf = b""
+    try:
+        while (split := split_head(buf)) is None:
+            chunk = await stream.receive_some(RECV)
+            if not chunk:
+                raise PeerError(f"peer {base} closed the connection before answering {path}", resumable=True)
+            buf += chunk
+    except HeadTooLarge:
+        raise PeerError(f"peer {base} sent an oversized response head for {path}") from None
+    except MalformedHead as exc:
+        raise PeerError(f"peer {base} sent a {exc} for {path}") from None
+    return split
+
+
+def _check_range(head: ResponseHead, length: int, start: int | None, end: int | None, base: str, path: str) -> None:
+    """A body of exactly the bytes asked for, and a 206 that says it holds them: a peer that answers
+    more (which a receiver would write before any digest could refuse it) or other bytes is refused."""
+    first = start or 0
+    if end is not None and length != end - first + 1:
+        raise PeerError(f"peer {base} answered {length:,} bytes for bytes {first:,}-{end:,} of {path} "
+                        f"({end - first + 1:,} asked)", resumable=True, code="peer_bad_answer")
+    if head.status == 206:
+        said = head.headers.get("content-range", "")
+        held = _CONTENT_RANGE.fullmatch(said)
+        if held is None or int(held[1]) != first or int(held[2]) != first + length - 1:
+            raise PeerError(f"peer {base} answered {said[:60]!r} ({length:,} bytes) of {path} for bytes "
+                            f"{first:,}-{'' if end is None else f'{end:,}'}", resumable=True, code="peer_bad_answer")
+
+
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/(?:[0-9]{1,19}|\*)")
+
+
 async def get_bytes(base: str, path: str, secret: str, *, limit: int = 64 << 20,
-                    ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None) -> bytes:
+                    ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None,
+                    patience: float = IDLE_TIMEOUT) -> bytes:
     parts: list[bytes] = []
     size = 0
 
@@ -223,7 +301,7 @@ async def get_bytes(base: str, path: str, secret: str, *, limit: int = 64 << 20,
             raise PeerError(f"peer {base} sent more than {limit} bytes for {path}")
         parts.append(bytes(chunk))  # the view is reused for the next read
 
-    await get(base, path, secret, take, ssl_context=ssl_context, server_hostname=server_hostname)
+    await get(base, path, secret, take, ssl_context=ssl_context, server_hostname=server_hostname, patience=patience)
     return b"".join(parts)
 
 
