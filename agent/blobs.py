@@ -4,9 +4,9 @@ Starlette's FileResponse moves 64 KiB per ASGI message and tops out near 130 MB/
 docs/ARCHITECTURE.md); 4 MiB messages cut the per-message cost of h11 and the ASGI hop to noise, which is
 what lets replication run near the disk-and-hash limit on one port.
 
-A body is sent with sendfile on the connection's own socket when the request asks to close the
-connection after the answer (agent/peerhttp.py's do): the server sends the head and never sees the
-body, which ends with the connection. Behind a 1 Gbit/s tbf, a sender moved a GiB for 0.16 CPU-s by
+A body over plain HTTP/1.x is sent with sendfile on the connection's own socket, its head saying
+`connection: close` (agent/peerhttp.py's requests ask for it anyway): the server sends the head and
+never sees the body, which ends with the connection. Behind a 1 Gbit/s tbf, a sender moved a GiB for 0.16 CPU-s by
 sendfile against 1.9-2.1 through trio's send_all, whose 16 KiB TCP_NOTSENT_LOWAT (set on every
 connection) woke the event loop for every 16 KiB the link drained. Other requests keep the ASGI
 messages, with that low-water mark lifted on their connection while the body is sent (0.73-0.81).
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -92,10 +93,13 @@ async def send_unsatisfiable(send: Send, range_header: str | None, size: int) ->
 
 async def send_body(send: Send, fd: int, start: int, length: int,
                     ready: Callable[[int], Awaitable[int]] | None = None,
-                    sending: Callable[[int], None] | None = None) -> None:
+                    sending: Callable[[int], None] | None = None,
+                    watch: trio.CancelScope | None = None, idle_s: float = SEND_IDLE_S) -> None:
     """Bytes start..start+length-1 of the file `fd` in ASGI messages of CHUNK. `ready(pos)` waits
     until byte `pos` may be sent and says how far the file may be read (a partial file's verified
-    prefix; None: the whole file may be); `sending(n)` is told of each n bytes once handed on."""
+    prefix; None: the whole file may be); `sending(n)` is told of each n bytes once handed on.
+    `watch` (send_range's watchdog) gets a deadline for each message, at SEND_FLOOR bytes every
+    `idle_s`: the server's send is shielded, so a reader too slow is cut by its watchdog."""
     pos, left = start, length
     while left:
         n = min(CHUNK, left) if ready is None else min(CHUNK, left, await ready(pos) - pos)
@@ -105,7 +109,13 @@ async def send_body(send: Send, fd: int, start: int, length: int,
         if len(chunk) != n:
             raise FileShrank(f"the file shrank while being served ({len(chunk)} of {n} bytes at {pos:,})")
         pos, left = pos + n, left - n
+        if watch is not None:
+            watch.deadline = trio.current_time() + idle_s * max(1.0, n / SEND_FLOOR)
         await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
+        if watch is not None:
+            if watch.cancel_called:
+                raise ReaderCut(f"the peer took under {SEND_FLOOR:,} bytes in {idle_s:.0f} s")
+            watch.deadline = math.inf
         if sending is not None:
             sending(n)
 
@@ -114,22 +124,53 @@ class FileShrank(OSError):
     """A file served ended before the length its answer's head promised (cut, replaced, a bug)."""
 
 
+class ReaderCut(Exception):
+    """The watchdog cut an answer whose reader was too slow (logged and hung up already)."""
+
+
+class SourceEnded(Exception):
+    """What feeds an answer ended before its body did (forward.UpstreamEnded: the fetch of a file
+    being forwarded failed or stalled): the answer is cut on purpose, logged with a stable code."""
+
+
+def answer_headers(scope: Scope, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """A blob answer's headers, with `connection: close` where the body goes by sendfile (plain
+    HTTP/1.x): a body the server never sees ends with the connection, so every such answer is held
+    to send_direct's floor, a keep-alive reader's too (through ASGI messages it held a 4 MiB chunk
+    in a send that nothing times out)."""
+    if scope.get("scheme") == "http" and scope.get("http_version") in ("1.0", "1.1"):
+        return headers + [(b"connection", b"close")]
+    return headers
+
+
 async def send_range(scope: Scope, send: Send, fd: int, start: int, length: int,
                      ready: Callable[[int], Awaitable[int]] | None = None,
                      sending: Callable[[int], None] | None = None, idle_s: float = SEND_IDLE_S) -> None:
     """The body of a blob answer whose head is sent: with sendfile on the connection's own socket
-    where the request allows it (plain HTTP/1.x asking to close the connection after the answer,
-    as agent/peerhttp.py asks), else in ASGI messages (send_body). Same `ready` and `sending`;
-    `idle_s` is the direct path's window for SEND_FLOOR bytes (send_direct). An answer cut here is
-    logged with a stable code, the peer and the blob: the peer only sees its connection end."""
+    over plain HTTP/1.x (the head said connection: close: answer_headers), else (TLS) in ASGI
+    messages (send_body) under a watchdog. Same `ready` and `sending`; `idle_s` is the window for
+    SEND_FLOOR bytes on both paths. An answer cut here (a reader too slow, a file that shrank, the
+    fetch feeding it ended) is logged with a stable code, the peer and the blob, never a traceback:
+    the peer only sees its connection end."""
     sock = _direct_socket(scope)
     if sock is None:
-        try:
-            with bulk_sending(scope):
-                await send_body(send, fd, start, length, ready, sending)
-        except FileShrank as exc:
-            _cut(scope, "blob_shrank", exc)
-            raise  # the server ends the connection: the body is short of its Content-Length
+        ended: FileShrank | SourceEnded | None = None
+        with bulk_sending(scope):
+            async with trio.open_nursery() as nursery:
+                watch = await nursery.start(_watchdog, scope, idle_s)
+                try:
+                    await send_body(send, fd, start, length, ready, sending, watch, idle_s)
+                except ReaderCut:
+                    pass  # logged and hung up by the watchdog
+                except (FileShrank, SourceEnded) as exc:
+                    _cut(scope, "blob_shrank" if isinstance(exc, FileShrank) else "blob_source_ended", exc)
+                    ended = exc
+                finally:
+                    nursery.cancel_scope.cancel()
+        # The body is short of its Content-Length: the connection ends, hung up here, or (its socket
+        # not found) by the server the error reaches.
+        if ended is not None and not _hang_up(scope):
+            raise ended
         return
     try:
         with contextlib.suppress(OSError, AttributeError):
@@ -141,6 +182,8 @@ async def send_range(scope: Scope, send: Send, fd: int, start: int, length: int,
         _cut(scope, "blob_reader_too_slow", exc)
     except FileShrank as exc:
         _cut(scope, "blob_shrank", exc)
+    except SourceEnded as exc:
+        _cut(scope, "blob_source_ended", exc)
     finally:
         # The server never saw this body: the answer ends with the connection, as the request
         # asked. A cut answer (UpstreamEnded, an error) ends it early, as a cut ASGI body does.
@@ -148,6 +191,29 @@ async def send_range(scope: Scope, send: Send, fd: int, start: int, length: int,
             sock.shutdown(socket.SHUT_RDWR)
         trio.lowlevel.notify_closing(sock)  # drops the loop's registration of this descriptor
         sock.close()
+
+
+async def _watchdog(scope: Scope, idle_s: float,
+                    task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
+    """Cut the connection when the deadline send_body puts on each message passes."""
+    with trio.CancelScope() as watch:
+        task_status.started(watch)
+        await trio.sleep_forever()
+    if watch.cancelled_caught:
+        _cut(scope, "blob_reader_too_slow", TimeoutError(f"the peer took under {SEND_FLOOR:,} bytes in "
+                                                         f"{idle_s:.0f} s"))
+        _hang_up(scope)
+
+
+def _hang_up(scope: Scope) -> bool:
+    """End the connection under the server: its shielded send fails, and the peer sees the answer
+    end. False where the connection's socket is not found."""
+    sock = connection_socket(scope)
+    if sock is None:
+        return False
+    with sock, contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    return True
 
 
 def _cut(scope: Scope, code: str, exc: Exception) -> None:
@@ -159,9 +225,7 @@ def _cut(scope: Scope, code: str, exc: Exception) -> None:
 def _direct_socket(scope: Scope) -> socket.socket | None:
     if scope.get("scheme") != "http" or scope.get("http_version") not in ("1.0", "1.1"):
         return None  # TLS is the server's to write; HTTP/2 multiplexes the connection
-    if not any(name == b"connection" and b"close" in value.lower() for name, value in scope.get("headers", ())):
-        return None  # the server may answer further requests on this connection: it keeps its framing
-    return connection_socket(scope)
+    return connection_socket(scope)  # the head said connection: close (answer_headers)
 
 
 async def send_direct(sock: socket.socket, fd: int, pos: int, left: int,
@@ -296,7 +360,7 @@ class BlobResponse(Response):
                 await send_unsatisfiable(send, self.range_header, size)
                 return
             status, headers, start, length = head_of(rng if isinstance(rng, tuple) else None, size)
-            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.start", "status": status, "headers": answer_headers(scope, headers)})
             if scope["method"] == "HEAD" or length == 0:
                 await send({"type": "http.response.body", "body": b""})
                 return

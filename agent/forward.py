@@ -18,14 +18,14 @@ import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .blobs import head_of, parse_range, send_error, send_range, send_unsatisfiable
+from .blobs import SourceEnded, answer_headers, head_of, parse_range, send_error, send_range, send_unsatisfiable
 
 STALL_S = 30.0  # below the peer client's 60 s idle timeout, so the downstream hears why first
 POLL_S = 0.01  # how often a file that is not there yet is looked for (agent/forward.py _open)
 TICK_S = 0.5  # a waiter looks at its upstream's liveness this often, between wake-ups by the writer
 
 
-class UpstreamEnded(Exception):
+class UpstreamEnded(SourceEnded):
     """The fetch feeding a forwarded file failed or stalled: the answer is cut short on purpose."""
 
 
@@ -139,7 +139,7 @@ class PartialBlobResponse(Response):
             except UpstreamEnded as exc:
                 await send_error(send, 504, "piece_wait_timeout", f"byte {start:,} is not verified here yet: {exc}")
                 return
-        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": answer_headers(scope, headers)})
         if scope["method"] == "HEAD" or length == 0:
             await send({"type": "http.response.body", "body": b""})
             return
