@@ -134,10 +134,11 @@ class PartialBlobResponse(Response):
             return
         status, headers, start, length = head_of(rng if isinstance(rng, tuple) else None, p.size)
         if length:
-            try:
-                await p.wait_for(start, self.stall_s)
-            except UpstreamEnded as exc:
-                await send_error(send, 504, "piece_wait_timeout", f"byte {start:,} is not verified here yet: {exc}")
+            ended, left = await self._first_byte(receive, start)
+            if left:
+                return  # the peer hung up while it waited: nobody to answer
+            if ended is not None:
+                await send_error(send, 504, "piece_wait_timeout", f"byte {start:,} is not verified here yet: {ended}")
                 return
         await send({"type": "http.response.start", "status": status, "headers": answer_headers(scope, headers)})
         if scope["method"] == "HEAD" or length == 0:
@@ -154,6 +155,30 @@ class PartialBlobResponse(Response):
 
         with await _open(p) as fh:
             await send_range(scope, send, fh.fileno(), start, length, ready, sending)
+
+
+    async def _first_byte(self, receive: Receive, start: int) -> tuple[UpstreamEnded | None, bool]:
+        """Wait until byte `start` is verified: (why the wait ended without it, whether the peer
+        hung up meanwhile). A peer that leaves ends its wait at once, not when the upstream does."""
+        ended: UpstreamEnded | None = None
+        left = False
+
+        async def watch() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass  # the GET's (empty) body
+            left = True
+            nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            try:
+                await self.partial.wait_for(start, self.stall_s)
+            except UpstreamEnded as exc:
+                ended = exc
+            finally:
+                nursery.cancel_scope.cancel()
+        return ended, left
 
 
 async def _open(p: Partial) -> IO[bytes]:

@@ -115,3 +115,30 @@ def test_a_failed_upstream_cuts_the_answer_naming_its_failure(tmp_path: Path) ->
             await c.get("/blob")
 
     assert "the fetch on 'up' feeding it failed: piece 2 of m.gguf is corrupt" in cut(go)
+
+
+def test_a_peer_that_hangs_up_while_it_waits_for_the_first_byte_ends_its_wait_at_once(tmp_path: Path) -> None:
+    # Its wait held a descriptor and a task until the upstream ended (with a dripping upstream,
+    # far past stall_s): 300 waiters whose clients had gone stayed.
+    up = Upstream(tmp_path / "f.part")
+    messages = [{"type": "http.request", "body": b"", "more_body": False}, {"type": "http.disconnect"}]
+    sent: list[object] = []
+
+    async def receive() -> dict[str, object]:
+        if len(messages) == 1:
+            await trio.sleep(0.2)  # the hang-up comes while nothing is verified
+        return messages.pop(0)
+
+    async def send(message: object) -> None:
+        sent.append(message)
+
+    async def go() -> float:
+        began = trio.current_time()
+        with trio.fail_after(10):
+            await PartialBlobResponse(up.partial, None, stall_s=30)(
+                {"type": "http", "method": "GET", "headers": []}, receive, send)
+        return trio.current_time() - began
+
+    took = trio.run(go)
+    assert sent == [] and took < 5, (sent, took)  # not the 30 s stall bound: nobody to answer
+    assert not up.partial._waiters
