@@ -46,8 +46,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, st
             proc.wait(30)
 
 
-def deltas(chunks: list[Any]) -> list[tuple[str | None, str | None]]:
-    return [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in chunks if c.choices]
+def deltas(chunks: list[Any]) -> tuple[str, list[str]]:
+    """A stream's text and its finish reasons. Not its cut into chunks: an engine hands a reader that
+    fell behind the tokens it has in one piece (the torch worker's outbox), so the same answer comes
+    cut differently through the router than straight from the worker when the machine is busy."""
+    return ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+            [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason])
 
 
 def member_of(f: Fleet, node: str, cluster: str) -> dict[str, Any]:
