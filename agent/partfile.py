@@ -50,9 +50,9 @@ class Signal:
     """One thread wakes another: a plain lock, taken by the waiter and released by the waker, where
     threading.Semaphore's condition variable allocated a lock and ran a dozen Python lines a wait:
     a GiB handed over in 512 KiB blocks cost 0.78-0.83 CPU-s with the hash (0.69 alone), 0.76-0.78
-    with this (2,048 hand-overs of one block, both side by side, four rounds). It does not count: a second set before the
-    wait is one set, which is all Beside needs (its thread reads what to do from Beside after each
-    wake; each block's join takes its one set)."""
+    with this (2,048 hand-overs of one block, both side by side, four rounds). It does not count:
+    a second set before the wait is one set, which is all Beside needs (its thread reads what to do
+    from Beside after each wake; each block's join takes its one set)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -84,8 +84,9 @@ def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | bytearray |
 
 def _fill(sock: socket.socket, view: memoryview, size: int) -> tuple[int, bool]:
     """Receive into view[:size] until it is full, or FILL_S after the first byte: (bytes, the peer
-    closed). The first read waits as long as the socket's timeout says (TimeoutError after it). The consumer's per-call cost (two hashes started, a write, a thread handed a block) is
-    paid once a block, not once a recv; the bound keeps a slow link's bytes flowing on. A block the
+    closed). The first read waits as long as the socket's timeout says (TimeoutError after it).
+    The consumer's per-call cost (two hashes started, a write, a thread handed a block) is paid
+    once a block, not once a recv; the bound keeps a slow link's bytes flowing on. A block the
     size of a core's L2 cache (512 KiB here) is hashed and written while it is still there, and
     holds the socket up briefly: a chain of three behind 1 Gbit/s links ran 9.7-9.8 s a GiB with
     it, 11.5-11.7 s with 4 MiB blocks (CPU per GiB within the runs' noise)."""

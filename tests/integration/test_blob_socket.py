@@ -142,7 +142,8 @@ def test_a_body_by_sendfile_is_whole_and_ends_with_its_connection(served: tuple[
 
 
 @pytest.mark.e2e
-def test_a_body_asked_on_a_kept_connection_says_it_closes_it_and_is_whole(served: tuple[Agent, str, bytes, str]) -> None:
+def test_a_body_asked_on_a_kept_connection_says_it_closes_it_and_is_whole(
+        served: tuple[Agent, str, bytes, str]) -> None:
     # Every plain HTTP/1.x blob answer goes by sendfile, held to the slow-reader floor: through ASGI
     # messages a keep-alive reader that read nothing held a 4 MiB chunk in a send nothing timed out.
     agent, sha, data, _ = served
