@@ -8,7 +8,7 @@ A body over plain HTTP/1.x is sent with sendfile on the connection's own socket,
 `connection: close` (agent/peerhttp.py's requests ask for it anyway): the server sends the head and
 never sees the body, which ends with the connection. Behind a 1 Gbit/s tbf, a sender moved a GiB for 0.16 CPU-s by
 sendfile against 1.9-2.1 through trio's send_all, whose 16 KiB TCP_NOTSENT_LOWAT (set on every
-connection) woke the event loop for every 16 KiB the link drained. Other requests keep the ASGI
+connection) woke the event loop for every 16 KiB the link drained. Answers over TLS keep the ASGI
 messages, with that low-water mark lifted on their connection while the body is sent (0.73-0.81).
 sendfile runs on the event loop, not in a worker thread, which a peer that stops reading would hold:
 bench/hopcpu.py on loopback, the source's CPU-s per GiB: ASGI messages 0.67, sendfile from a thread
