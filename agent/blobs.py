@@ -95,14 +95,16 @@ async def send_body(send: Send, fd: int, start: int, length: int,
                     ready: Callable[[int], Awaitable[int]] | None = None,
                     sending: Callable[[int], None] | None = None,
                     watch: trio.CancelScope | None = None, idle_s: float = SEND_IDLE_S) -> None:
-    """Bytes start..start+length-1 of the file `fd` in ASGI messages of CHUNK. `ready(pos)` waits
+    """Bytes start..start+length-1 of the file `fd` in ASGI messages of CHUNK (of SEND_FLOOR under
+    a watchdog, which then cuts a reader at the floor's own pace and holds less). `ready(pos)` waits
     until byte `pos` may be sent and says how far the file may be read (a partial file's verified
     prefix; None: the whole file may be); `sending(n)` is told of each n bytes once handed on.
-    `watch` (send_range's watchdog) gets a deadline for each message, at SEND_FLOOR bytes every
-    `idle_s`: the server's send is shielded, so a reader too slow is cut by its watchdog."""
+    `watch` (send_range's watchdog) gets a deadline of `idle_s` for each message, then of
+    SEND_FLOOR bytes: the server's send is shielded, so a reader too slow is cut by its watchdog."""
+    step = CHUNK if watch is None else SEND_FLOOR
     pos, left = start, length
     while left:
-        n = min(CHUNK, left) if ready is None else min(CHUNK, left, await ready(pos) - pos)
+        n = min(step, left) if ready is None else min(step, left, await ready(pos) - pos)
         # A blocking read from the page cache takes about a millisecond per 4 MiB; a thread hop
         # per chunk would cost more than it saves.
         chunk = os.pread(fd, n, pos)
@@ -110,7 +112,7 @@ async def send_body(send: Send, fd: int, start: int, length: int,
             raise FileShrank(f"the file shrank while being served ({len(chunk)} of {n} bytes at {pos:,})")
         pos, left = pos + n, left - n
         if watch is not None:
-            watch.deadline = trio.current_time() + idle_s * max(1.0, n / SEND_FLOOR)
+            watch.deadline = trio.current_time() + idle_s
         await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
         if watch is not None:
             if watch.cancel_called:

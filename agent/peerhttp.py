@@ -37,10 +37,10 @@ FLOOR = 1 << 20
 
 class Floor:
     """Holds a body to FLOOR bytes (or the rest) every `patience` seconds: `left()` is how long the
-    next read may wait, `got(n)` counts what came."""
+    next read may wait, `got(n)` counts what came (`before`: what came with the answer's head)."""
 
-    def __init__(self, want: int, patience: float = IDLE_TIMEOUT) -> None:
-        self.want, self.have, self.patience = want, 0, patience
+    def __init__(self, want: int, patience: float = IDLE_TIMEOUT, before: int = 0) -> None:
+        self.want, self.have, self.patience, self.before = want, 0, patience, before
         self._due, self._mark = time.monotonic() + patience, min(want, FLOOR)
 
     def left(self) -> float:
@@ -52,17 +52,17 @@ class Floor:
             self._due, self._mark = time.monotonic() + self.patience, min(self.want, self.have + FLOOR)
 
     def slow(self, base: str, path: str) -> PeerError:
-        return PeerError(f"peer {base} sent under {FLOOR >> 20} MiB in {self.patience:g} s of {path} ({self.have:,} "
-                         f"of {self.want:,} bytes so far)", resumable=True, code="peer_too_slow")
+        return PeerError(f"peer {base} sent under {FLOOR >> 20} MiB in {self.patience:g} s of {path} ({self.before + self.have:,} "
+                         f"of {self.before + self.want:,} bytes so far)", resumable=True, code="peer_too_slow")
 
 
 def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | bytearray | memoryview], None],
-                      base: str, path: str, patience: float) -> int:
+                      base: str, path: str, patience: float, before: int = 0) -> int:
     """Receive up to `want` bytes on a duplicate of `fd`, blocking; returns how many arrived."""
     # A duplicate descriptor: closing it leaves trio's socket open. Both share O_NONBLOCK, which
     # Python's timeout mode expects anyway (it polls, then reads).
     sock = socket.socket(fileno=os.dup(fd))
-    floor = Floor(want, patience)
+    floor = Floor(want, patience, before)
     try:
         view = memoryview(bytearray(BLOCK))
         while floor.have < want:
@@ -232,9 +232,10 @@ async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | byte
                 # loop ran about 20% slower (smaller reads, an event-loop pass per read).
                 # abandon_on_cancel: a shutting-down agent does not wait for the transfer to end.
                 got += await trio.to_thread.run_sync(_blocking_receive, stream.socket.fileno(), length - got,
-                                                     on_data, base, path, patience, abandon_on_cancel=True)
+                                                     on_data, base, path, patience, got,
+                                                     abandon_on_cancel=True)
             else:  # small bodies, and everything over TLS
-                floor = Floor(length - got, patience)
+                floor = Floor(length - got, patience, got)
                 while floor.have < floor.want:
                     chunk = None
                     with trio.move_on_after(max(0.0, floor.left())):

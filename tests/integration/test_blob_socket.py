@@ -25,7 +25,7 @@ import pytest
 import trio
 from starlette.types import Message
 
-from agent.blobs import BULK_LOWAT, FD_SCAN_MAX, bulk_sending, connection_socket, send_direct, send_range
+from agent.blobs import BULK_LOWAT, FD_SCAN_MAX, SEND_FLOOR, bulk_sending, connection_socket, send_direct, send_range
 from agent.forward import Partial, PartialBlobResponse, UpstreamEnded
 from tests.agents import SECRET, Agent, free_port
 from tests.fleets import import_model
@@ -224,11 +224,13 @@ def test_a_reader_too_slow_for_a_body_in_asgi_messages_is_cut_by_the_watchdog(
     fd, data = blob
     scope = {**closing_scope(server), "scheme": "https", "path": "/v1/blobs/" + "cd" * 32}
     sent: list[int] = []
+    sizes: list[int] = []
 
     async def main() -> None:
         stream = trio.SocketStream(trio.socket.from_stdlib_socket(server))
 
         async def shielded_send(message: Message) -> None:  # as hypercorn's: a broken connection ends it quietly
+            sizes.append(len(message.get("body", b"")))
             with trio.CancelScope(shield=True):
                 try:
                     await stream.send_all(message.get("body", b""))
@@ -241,6 +243,7 @@ def test_a_reader_too_slow_for_a_body_in_asgi_messages_is_cut_by_the_watchdog(
     with caplog.at_level(logging.WARNING, logger="fleet-agent"):
         trio.run(main)
     assert sum(sent) < len(data)  # cut: the rest was never read from the file or handed on
+    assert max(sizes) <= SEND_FLOOR  # a message's deadline is the floor's own: 1 MiB in idle_s
     (line,) = [r.getMessage() for r in caplog.records if "blob_reader_too_slow" in r.getMessage()]
     assert "cd" * 32 in line and "took under" in line
     got = bytearray()

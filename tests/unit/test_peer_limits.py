@@ -113,6 +113,8 @@ def test_a_peer_that_stalls_or_drips_is_given_up_on_within_the_patience(
     assert isinstance(outcome, PeerError), outcome
     assert outcome.code == "peer_too_slow" and outcome.resumable, outcome
     assert what in str(outcome) and base in str(outcome) and "/v1/blobs/" in str(outcome)
+    if behaviour is small_body_stall:  # what came with the head counts in what it says arrived
+        assert f"({100 << 10:,} of {3 << 20:,} bytes so far)" in str(outcome), outcome
     assert took < 10 * PATIENCE + 5  # bounded by the patience, not the 30 s the peer would hold on
 
 
