@@ -52,8 +52,9 @@ class Floor:
             self._due, self._mark = time.monotonic() + self.patience, min(self.want, self.have + FLOOR)
 
     def slow(self, base: str, path: str) -> PeerError:
-        return PeerError(f"peer {base} sent under {FLOOR >> 20} MiB in {self.patience:g} s of {path} ({self.before + self.have:,} "
-                         f"of {self.before + self.want:,} bytes so far)", resumable=True, code="peer_too_slow")
+        return PeerError(f"peer {base} sent under {FLOOR >> 20} MiB in {self.patience:g} s of {path} "
+                         f"({self.before + self.have:,} of {self.before + self.want:,} bytes so far)",
+                         resumable=True, code="peer_too_slow")
 
 
 def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | bytearray | memoryview], None],
