@@ -365,6 +365,7 @@ def test_a_fetch_past_the_reserve_is_refused_naming_node_and_free_space(tmp_path
             assert free(small) >= before - (64 << 10), (free(small), before)  # nothing was written
         finally:
             dst.stop()
+            src.stop()
 
 
 def test_two_fetches_that_fit_only_one_at_a_time(tmp_path: Path) -> None:
@@ -389,6 +390,7 @@ def test_two_fetches_that_fit_only_one_at_a_time(tmp_path: Path) -> None:
             assert [p.name for p in (small / "dst" / "store" / "partial").iterdir()] == []
         finally:
             dst.stop()
+            src.stop()
 
 
 class SlowPeer:
