@@ -178,8 +178,11 @@ def read_to_end(sock: socket.socket, into: bytearray, pause_s: float = 0.0, size
         time.sleep(pause_s)
 
 
-def test_a_closing_request_s_body_goes_by_sendfile_on_its_socket_not_through_the_server(
-        connection: tuple[socket.socket, socket.socket], blob: tuple[int, bytes]) -> None:
+@pytest.mark.parametrize("headers", [[(b"connection", b"close")], []], ids=["closing", "kept-alive"])
+def test_a_plain_http_body_goes_by_sendfile_on_its_socket_not_through_the_server(
+        connection: tuple[socket.socket, socket.socket], blob: tuple[int, bytes],
+        headers: list[tuple[bytes, bytes]]) -> None:
+    # A request that keeps its connection alive too: its answer said connection: close (answer_headers).
     server, client = connection
     server.setblocking(False)  # as the server's own socket is
     fd, data = blob
@@ -191,28 +194,10 @@ def test_a_closing_request_s_body_goes_by_sendfile_on_its_socket_not_through_the
     got = bytearray()
     reader = threading.Thread(target=read_to_end, args=(client, got))
     reader.start()
-    trio.run(send_range, closing_scope(server), record, fd, 7, len(data) - 7)
+    trio.run(send_range, {**closing_scope(server), "headers": headers}, record, fd, 7, len(data) - 7)
     reader.join(30)
     assert messages == []  # the server saw no body: it went on the socket itself
     assert bytes(got) == data[7:]  # whole, and the connection ended with it (read_to_end returned)
-
-
-def test_a_kept_connection_s_body_goes_by_sendfile_too(
-        connection: tuple[socket.socket, socket.socket], blob: tuple[int, bytes]) -> None:
-    server, client = connection
-    server.setblocking(False)
-    fd, data = blob
-    messages: list[Message] = []
-
-    async def record(message: Message) -> None:
-        messages.append(message)
-
-    got = bytearray()
-    reader = threading.Thread(target=read_to_end, args=(client, got))
-    reader.start()
-    trio.run(send_range, {**closing_scope(server), "headers": []}, record, fd, 0, len(data))
-    reader.join(30)
-    assert messages == [] and bytes(got) == data
 
 
 def test_a_reader_too_slow_for_a_body_in_asgi_messages_is_cut_by_the_watchdog(
