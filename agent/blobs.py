@@ -32,11 +32,11 @@ import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from wire.floor import FLOOR_BYTES, FLOOR_S, Floor, pace
+
 log = logging.getLogger("fleet-agent")
 
 CHUNK = 4 << 20
-SEND_IDLE_S = 60.0  # a peer that reads nothing for this long is cut (as agent/peerhttp.py gives up on one)
-SEND_FLOOR = 1 << 20  # ...and one that takes less than this in that time (a byte a minute would hold on)
 BULK_LOWAT = 4 << 20  # unsent bytes a bulk answer lets the kernel hold before its socket is writable
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)\Z")
 # A position of more digits than this is past the end of any file. Python refuses int() of more
@@ -94,14 +94,15 @@ async def send_unsatisfiable(send: Send, range_header: str | None, size: int) ->
 async def send_body(send: Send, fd: int, start: int, length: int,
                     ready: Callable[[int], Awaitable[int]] | None = None,
                     sending: Callable[[int], None] | None = None,
-                    watch: trio.CancelScope | None = None, idle_s: float = SEND_IDLE_S) -> None:
-    """Bytes start..start+length-1 of the file `fd` in ASGI messages of CHUNK (of SEND_FLOOR under
+                    watch: trio.CancelScope | None = None, idle_s: float = FLOOR_S) -> None:
+    """Bytes start..start+length-1 of the file `fd` in ASGI messages of CHUNK (of FLOOR_BYTES under
     a watchdog, which then cuts a reader at the floor's own pace and holds less). `ready(pos)` waits
     until byte `pos` may be sent and says how far the file may be read (a partial file's verified
     prefix; None: the whole file may be); `sending(n)` is told of each n bytes once handed on.
     `watch` (send_range's watchdog) gets a deadline of `idle_s` for each message, then of
-    SEND_FLOOR bytes: the server's send is shielded, so a reader too slow is cut by its watchdog."""
-    step = CHUNK if watch is None else SEND_FLOOR
+    FLOOR_BYTES: the server's send is shielded, so a reader too slow is cut by its watchdog (the
+    floor of wire/floor.py, a message at a time)."""
+    step = CHUNK if watch is None else FLOOR_BYTES
     pos, left = start, length
     while left:
         n = min(step, left) if ready is None else min(step, left, await ready(pos) - pos)
@@ -116,7 +117,7 @@ async def send_body(send: Send, fd: int, start: int, length: int,
         await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
         if watch is not None:
             if watch.cancel_called:
-                raise ReaderCut(f"the peer took under {SEND_FLOOR:,} bytes in {idle_s:.0f} s")
+                raise ReaderCut(f"the peer took {pace(idle_s)}")
             watch.deadline = math.inf
         if sending is not None:
             sending(n)
@@ -147,11 +148,11 @@ def answer_headers(scope: Scope, headers: list[tuple[bytes, bytes]]) -> list[tup
 
 async def send_range(scope: Scope, send: Send, fd: int, start: int, length: int,
                      ready: Callable[[int], Awaitable[int]] | None = None,
-                     sending: Callable[[int], None] | None = None, idle_s: float = SEND_IDLE_S) -> None:
+                     sending: Callable[[int], None] | None = None, idle_s: float = FLOOR_S) -> None:
     """The body of a blob answer whose head is sent: with sendfile on the connection's own socket
     over plain HTTP/1.x (the head said connection: close: answer_headers), else (TLS) in ASGI
     messages (send_body) under a watchdog. Same `ready` and `sending`; `idle_s` is the window for
-    SEND_FLOOR bytes on both paths. An answer cut here (a reader too slow, a file that shrank, the
+    FLOOR_BYTES on both paths (wire/floor.py). An answer cut here (a reader too slow, a file that shrank, the
     fetch feeding it ended) is logged with a stable code, the peer and the blob, never a traceback:
     the peer only sees its connection end."""
     sock = _direct_socket(scope)
@@ -202,8 +203,7 @@ async def _watchdog(scope: Scope, idle_s: float,
         task_status.started(watch)
         await trio.sleep_forever()
     if watch.cancelled_caught:
-        _cut(scope, "blob_reader_too_slow", TimeoutError(f"the peer took under {SEND_FLOOR:,} bytes in "
-                                                         f"{idle_s:.0f} s"))
+        _cut(scope, "blob_reader_too_slow", TimeoutError(f"the peer took {pace(idle_s)}"))
         _hang_up(scope)
 
 
@@ -232,20 +232,20 @@ def _direct_socket(scope: Scope) -> socket.socket | None:
 
 async def send_direct(sock: socket.socket, fd: int, pos: int, left: int,
                       ready: Callable[[int], Awaitable[int]] | None = None,
-                      sending: Callable[[int], None] | None = None, idle_s: float = SEND_IDLE_S) -> None:
+                      sending: Callable[[int], None] | None = None, idle_s: float = FLOOR_S) -> None:
     """Send bytes pos..pos+left-1 of `fd` on the non-blocking `sock` by sendfile, on the event loop:
     no worker thread, which a stalled peer would hold (trio's 40 are shared with the store's work).
-    The peer must take SEND_FLOOR bytes (or the rest) in every `idle_s` it is waited for, else
+    The peer must take FLOOR_BYTES (or the rest) in every `idle_s` it is waited for, else
     TimeoutError: one reading nothing, or a byte a minute, is cut, so an answer's life is bounded by
     its length. Time spent in `ready` (the upstream's, bounded by forward.py) is not the peer's.
     `sending(n)` is told of the n bytes each sendfile handed to the socket."""
-    window_end, owed = trio.current_time() + idle_s, SEND_FLOOR
+    floor = Floor(left, idle_s, trio.current_time)
     while left:
         n = left
         if ready is not None:
             before = trio.current_time()
             n = min(left, await ready(pos) - pos)
-            window_end += trio.current_time() - before
+            floor.pause(trio.current_time() - before)
         while n:
             ask = min(n, CHUNK)  # a read from a cold disk holds the loop as long as send_body's pread does
             try:
@@ -257,18 +257,17 @@ async def send_direct(sock: socket.socket, fd: int, pos: int, left: int,
             if sent:
                 if sending is not None:
                     sending(sent)
-                pos, n, left, owed = pos + sent, n - sent, left - sent, owed - sent
-                if owed <= 0:
-                    window_end, owed = trio.current_time() + idle_s, SEND_FLOOR
+                pos, n, left = pos + sent, n - sent, left - sent
+                floor.got(sent)
             if sent == ask:
                 await trio.lowlevel.checkpoint()  # a peer that keeps up never blocks: let the others run
                 continue
             # The buffer is full (a retry now would get EAGAIN). It turns writable with a third of it
             # free and, TCP_NOTSENT_LOWAT lifted, under BULK_LOWAT unsent: about 600 wake-ups a GiB.
-            with trio.move_on_at(window_end):
+            with trio.move_on_at(floor.due):
                 await trio.lowlevel.wait_writable(sock)
                 continue
-            raise TimeoutError(f"the peer took under {SEND_FLOOR:,} bytes in {idle_s:.0f} s")
+            raise TimeoutError(f"the peer took {pace(idle_s)}")
 
 
 def connection_socket(scope: Scope) -> socket.socket | None:

@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from .blobs import SourceEnded, answer_headers, head_of, parse_range, send_error, send_range, send_unsatisfiable
 
-STALL_S = 30.0  # below the peer client's 60 s idle timeout, so the downstream hears why first
+STALL_S = 30.0  # below the floor a fetch holds a body to (wire/floor.py, 60 s), so the downstream hears why first
 POLL_S = 0.01  # how often a file that is not there yet is looked for (agent/forward.py _open)
 TICK_S = 0.5  # a waiter looks at its upstream's liveness this often, between wake-ups by the writer
 

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import trio
 
+from wire.floor import FLOOR_S, Floor, pace
 from wire.http import MAX_HEAD, HeadTooLarge, MalformedHead, ResponseHead, split_head
 
 RECV = 1 << 20
@@ -29,32 +30,14 @@ FILL_S = 0.1
 NAP_BELOW = 256 << 10
 NAP_S = 0.002
 BULK = 8 << 20  # bodies larger than this are received in a worker thread
-IDLE_TIMEOUT = 60.0  # a peer that sends nothing for this long is given up on (the fetch can resume)
-# The floor a body must keep, as a sender holds its readers to (agent/blobs.py): every MiB (or the
-# rest) within IDLE_TIMEOUT, so a peer that drips a byte a minute cannot keep a fetch for ever.
-FLOOR = 1 << 20
+PATIENCE = FLOOR_S  # the connection, the answer's head, and each floor's worth of its body (wire/floor.py)
 
 
-class Floor:
-    """Holds a body to FLOOR bytes (or the rest) every `patience` seconds: `left()` is how long the
-    next read may wait, `got(n)` counts what came (`before`: what came with the answer's head)."""
-
-    def __init__(self, want: int, patience: float = IDLE_TIMEOUT, before: int = 0) -> None:
-        self.want, self.have, self.patience, self.before = want, 0, patience, before
-        self._due, self._mark = time.monotonic() + patience, min(want, FLOOR)
-
-    def left(self) -> float:
-        return self._due - time.monotonic()
-
-    def got(self, n: int) -> None:
-        self.have += n
-        if self.have >= self._mark:
-            self._due, self._mark = time.monotonic() + self.patience, min(self.want, self.have + FLOOR)
-
-    def slow(self, base: str, path: str) -> PeerError:
-        return PeerError(f"peer {base} sent under {FLOOR >> 20} MiB in {self.patience:g} s of {path} "
-                         f"({self.before + self.have:,} of {self.before + self.want:,} bytes so far)",
-                         resumable=True, code="peer_too_slow")
+def _too_slow(floor: Floor, base: str, path: str, before: int = 0) -> PeerError:
+    """The fetch gives up on a body under the floor (`before`: what came with the answer's head)."""
+    return PeerError(f"peer {base} sent {pace(floor.patience)} of {path} "
+                     f"({before + floor.have:,} of {before + floor.want:,} bytes so far)",
+                     resumable=True, code="peer_too_slow")
 
 
 def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | bytearray | memoryview], None],
@@ -63,7 +46,7 @@ def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | bytearray |
     # A duplicate descriptor: closing it leaves trio's socket open. Both share O_NONBLOCK, which
     # Python's timeout mode expects anyway (it polls, then reads).
     sock = socket.socket(fileno=os.dup(fd))
-    floor = Floor(want, patience, before)
+    floor = Floor(want, patience, time.monotonic)
     try:
         view = memoryview(bytearray(BLOCK))
         while floor.have < want:
@@ -78,7 +61,7 @@ def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | bytearray |
                 break
         return floor.have
     except TimeoutError:
-        raise floor.slow(base, path) from None
+        raise _too_slow(floor, base, path, before) from None
     finally:
         sock.close()
 
@@ -179,12 +162,12 @@ _TLS_MISMATCH = frozenset({"WRONG_VERSION_NUMBER", "UNSUPPORTED_PROTOCOL", "TLSV
 async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | bytearray | memoryview], None], *,
               start: int | None = None, end: int | None = None,
               ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None,
-              patience: float = IDLE_TIMEOUT) -> int:
+              patience: float = PATIENCE) -> int:
     """GET base+path (bytes start..end inclusive when given), feeding the body to `on_data` as it
     arrives. Returns the status (200 or 206). Raises PeerError with the peer's own message. Over
     TLS the peer's certificate is checked against `server_hostname` (else the URL's host). Every
     wait is bounded: the connection and the answer's head within `patience` seconds, then the body
-    at FLOOR bytes every `patience` (a peer that stalls or drips is given up on; the fetch resumes)."""
+    at FLOOR_BYTES every `patience` (a peer that stalls or drips is given up on; the fetch resumes)."""
     connected = None
     with trio.move_on_after(patience):
         connected = await _connect(base, ssl_context, server_hostname)
@@ -236,13 +219,13 @@ async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | byte
                                                      on_data, base, path, patience, got,
                                                      abandon_on_cancel=True)
             else:  # small bodies, and everything over TLS
-                floor = Floor(length - got, patience, got)
+                floor = Floor(length - got, patience, trio.current_time)
                 while floor.have < floor.want:
                     chunk = None
                     with trio.move_on_after(max(0.0, floor.left())):
                         chunk = await stream.receive_some(min(RECV, floor.want - floor.have))
                     if chunk is None:
-                        raise floor.slow(base, path)
+                        raise _too_slow(floor, base, path, got)
                     if not chunk:
                         break
                     on_data(chunk)
@@ -293,7 +276,7 @@ _CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/(?:[0-9]{1,19}|\
 
 async def get_bytes(base: str, path: str, secret: str, *, limit: int = 64 << 20,
                     ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None,
-                    patience: float = IDLE_TIMEOUT) -> bytes:
+                    patience: float = PATIENCE) -> bytes:
     parts: list[bytes] = []
     size = 0
 

@@ -25,10 +25,11 @@ import pytest
 import trio
 from starlette.types import Message
 
-from agent.blobs import BULK_LOWAT, FD_SCAN_MAX, SEND_FLOOR, bulk_sending, connection_socket, send_direct, send_range
+from agent.blobs import BULK_LOWAT, FD_SCAN_MAX, bulk_sending, connection_socket, send_direct, send_range
 from agent.forward import Partial, PartialBlobResponse, UpstreamEnded
 from tests.agents import SECRET, Agent, free_port
 from tests.fleets import import_model
+from wire.floor import FLOOR_BYTES
 
 TRIO_LOWAT = 1 << 14
 
@@ -228,7 +229,7 @@ def test_a_reader_too_slow_for_a_body_in_asgi_messages_is_cut_by_the_watchdog(
     with caplog.at_level(logging.WARNING, logger="fleet-agent"):
         trio.run(main)
     assert sum(sent) < len(data)  # cut: the rest was never read from the file or handed on
-    assert max(sizes) <= SEND_FLOOR  # a message's deadline is the floor's own: 1 MiB in idle_s
+    assert max(sizes) <= FLOOR_BYTES  # a message's deadline is the floor's own: 1 MiB in idle_s
     (line,) = [r.getMessage() for r in caplog.records if "blob_reader_too_slow" in r.getMessage()]
     assert "cd" * 32 in line and "took under" in line
     got = bytearray()

@@ -15,7 +15,8 @@ from typing import Callable, Iterator
 import pytest
 import trio
 
-from agent.peerhttp import BULK, FLOOR, PeerError, get
+from agent.peerhttp import BULK, PeerError, get
+from wire.floor import FLOOR_BYTES
 
 PATIENCE = 0.5
 
@@ -101,8 +102,8 @@ def bulk_body_drip(conn: socket.socket, done: threading.Event) -> None:
 @pytest.mark.parametrize("behaviour, what", [
     (silent, "sent no whole answer head"),
     (head_drip, "sent no whole answer head"),
-    (small_body_stall, f"sent under {FLOOR >> 20} MiB"),
-    (bulk_body_drip, f"sent under {FLOOR >> 20} MiB"),
+    (small_body_stall, f"sent under {FLOOR_BYTES >> 20} MiB"),
+    (bulk_body_drip, f"sent under {FLOOR_BYTES >> 20} MiB"),
 ], ids=["silent", "head-drip", "small-body-stall", "bulk-body-drip"])
 def test_a_peer_that_stalls_or_drips_is_given_up_on_within_the_patience(
         peer: Callable[..., str], behaviour: Callable[[socket.socket, threading.Event], None], what: str) -> None:
