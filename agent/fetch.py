@@ -72,6 +72,7 @@ class Job:
     finished: float | None = None
     manifest: bytes | None = None  # verified against the digest: served to peers that chain from here
     partials: list[tuple[str, Partial]] = field(default_factory=list)
+    parts: list[Path] = field(default_factory=list)  # the partial files it writes (kept for a resume)
 
     def to_json(self) -> FetchJob:
         elapsed = (self.finished or time.monotonic()) - self.started
@@ -126,6 +127,27 @@ class Fetcher:
 
     def active(self) -> list[Job]:
         return [j for j in self.jobs.values() if j.state == "fetching"]
+
+    def discard(self, digest: str) -> int | None:
+        """Forget a fetch of `digest` that failed and remove the partial files it kept for a resume:
+        the bytes removed, or None when no such fetch is known. A partial file a running fetch
+        writes too (the same file in another model) is left to it."""
+        job = self.jobs.get(digest)
+        if job is None or job.state != "failed":
+            return None
+        busy = {part for running in self.active() for part in running.parts}
+        removed = 0
+        for part in job.parts:
+            if part in busy:
+                continue
+            try:
+                size = part.stat().st_size
+                part.unlink()
+            except FileNotFoundError:
+                continue
+            removed += size
+        del self.jobs[digest]
+        return removed
 
     def manifest_of(self, digest: str) -> bytes | None:
         """The verified manifest of a model being fetched here, for a peer chained from this node."""
@@ -227,6 +249,8 @@ class Fetcher:
         else:
             manifest = await self._manifest(job, job.digest)
         job.bytes_total = sum(f["size"] for f in manifest["files"])
+        job.parts = [self._part(job, f) for f in manifest["files"]
+                     if f.get("assembled") or not self.store.has_blob(f["sha256"])]
         self._claim(job, manifest)
         if job.layers is None:  # a whole model's files are forwarded to peers chained from here
             for f in manifest["files"]:

@@ -197,12 +197,17 @@ class Weights:
         user = self.ctx.workers.using(digest)
         if user is not None:
             return error_response(409, "weights_in_use", f"{digest} is used by server {user}; stop it first")
+        not_held = None
         try:
             self.ctx.store.delete(digest)
         except StoreError as exc:
-            return error_response(404, "weights_not_held", str(exc))
+            not_held = str(exc)
+        # What a failed fetch kept for a resume goes too: nothing else would ever remove it.
+        partial_bytes = self.ctx.fetcher.discard(digest)
+        if not_held is not None and partial_bytes is None:
+            return error_response(404, "weights_not_held", not_held)
         self.ctx.fetcher.jobs.pop(digest, None)
-        return JSONResponse({"digest": digest, "state": "deleted"})
+        return JSONResponse({"digest": digest, "state": "deleted", "partial_bytes_removed": partial_bytes or 0})
 
 
 class Servers:

@@ -262,6 +262,38 @@ def test_resume_after_the_peer_dies_mid_transfer(tmp_path: Path) -> None:
         dst.stop()
 
 
+def test_a_delete_after_a_failed_fetch_removes_what_it_kept_for_a_resume(tmp_path: Path) -> None:
+    """Nothing else removes a failed fetch's partial file (a restart keeps it, for a resume): a
+    DELETE of its digest does, says how much, and forgets the fetch; the next DELETE finds nothing."""
+    port = free_port("127.0.0.2", "127.0.0.3")
+    src = Agent("src", "127.0.0.2", port, tmp_path / "src").start()
+    dst = Agent("dst", "127.0.0.3", port, tmp_path / "dst").start()
+    try:
+        size = 256 << 20  # as above: still copying when the kill comes
+        model = tmp_path / "m.gguf"
+        model.write_bytes(b"GGUF" + os.urandom(size - 4))
+        digest = import_model(src, model)
+        put(dst, digest, src)
+        while dst.get(f"/v1/weights/{digest}").json()["bytes_done"] < size // 8:
+            time.sleep(0.002)
+        src.stop(signal.SIGKILL)
+        failed = wait(dst, digest)
+        assert failed["state"] == "failed" and failed["resumable"] is True, failed
+        partial = dst.home / "store" / "partial"
+        kept = sum(p.stat().st_size for p in partial.iterdir())
+        assert kept >= size // 8
+        r = httpx.delete(f"{dst.url}/v1/weights/{digest}", headers=AUTH, timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"digest": digest, "state": "deleted", "partial_bytes_removed": kept}
+        assert list(partial.iterdir()) == []
+        assert dst.get(f"/v1/weights/{digest}").json()["state"] == "absent"
+        again = httpx.delete(f"{dst.url}/v1/weights/{digest}", headers=AUTH, timeout=10)
+        assert again.status_code == 404 and again.json()["error"]["code"] == "weights_not_held"
+    finally:
+        src.stop()
+        dst.stop()
+
+
 # ---- disk work off the event loop, and a disk that is (nearly) full ----
 
 def sparse_gguf(path: Path, size: int) -> Path:
