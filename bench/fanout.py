@@ -369,8 +369,9 @@ def main() -> None:
             fan_links, fan_cpu = delta(before, agents.sent()), sum(after) - user - system
             rounds.append(fan)
             chain = [line.strip() for line in plan.splitlines() if "fetch" in line and "bytes from" in line]
-            print(f"fan-out round {r} (fleet apply, {len(receivers)} receivers): {fan:6.2f} s, {fan / one:.2f} x one node; "
-                  "plan: " + "; ".join(c.split("bytes from ")[-1] for c in chain), flush=True)
+            print(f"fan-out round {r} (fleet apply, {len(receivers)} receivers): {fan:6.2f} s, "
+                  f"{fan / one:.2f} x one node; plan: " + "; ".join(c.split("bytes from ")[-1] for c in chain),
+                  flush=True)
             print(f"  each fetch itself (s): {agents.fetch_seconds(receivers, digest)}; {busy(fan_cpu, fan)} "
                   f"(user {after[0] - user:.1f}, kernel {after[1] - system:.1f}; "
                   f"{fan_cpu / len(receivers) / (size / 2**30):.2f} CPU-s per GiB received)", flush=True)
