@@ -233,22 +233,34 @@ def test_resume_after_sigkill_at_random_points(tmp_path: Path) -> None:
         dst.stop()
 
 
-def test_resume_after_the_peer_dies_mid_transfer(tmp_path: Path) -> None:
+SIZE_KILLED = 256 << 20  # still copying when the kill comes after a poll's answer (below)
+
+
+@contextmanager
+def killed_mid_transfer(tmp_path: Path) -> Iterator[tuple[Agent, Agent, str, dict[str, Any]]]:
+    """Two agents; dst fetches a model of SIZE_KILLED bytes from src, which is killed (SIGKILL) once
+    dst holds an eighth of it: (src, dst, the digest, dst's failed fetch). Both are stopped after."""
     port = free_port("127.0.0.2", "127.0.0.3")
     src = Agent("src", "127.0.0.2", port, tmp_path / "src").start()
     dst = Agent("dst", "127.0.0.3", port, tmp_path / "dst").start()
     try:
         # Large enough that the copy is still going when the kill comes after the poll's answer: a
         # receiver hashing each byte once copied 64 MiB between a poll and the kill at load 3.
-        size = 256 << 20
         model = tmp_path / "m.gguf"
-        model.write_bytes(b"GGUF" + os.urandom(size - 4))
+        model.write_bytes(b"GGUF" + os.urandom(SIZE_KILLED - 4))
         digest = import_model(src, model)
         put(dst, digest, src)
-        while dst.get(f"/v1/weights/{digest}").json()["bytes_done"] < size // 8:
+        while dst.get(f"/v1/weights/{digest}").json()["bytes_done"] < SIZE_KILLED // 8:
             time.sleep(0.002)
         src.stop(signal.SIGKILL)
-        failed = wait(dst, digest)
+        yield src, dst, digest, wait(dst, digest)
+    finally:
+        src.stop()
+        dst.stop()
+
+
+def test_resume_after_the_peer_dies_mid_transfer(tmp_path: Path) -> None:
+    with killed_mid_transfer(tmp_path) as (src, dst, digest, failed):
         assert failed["state"] == "failed" and src.url in failed["error"]
         assert failed["resumable"] is True  # what arrived is kept: the executor asks again to resume
         assert dst.proc is not None and dst.proc.poll() is None  # the fetching agent is unharmed
@@ -256,32 +268,17 @@ def test_resume_after_the_peer_dies_mid_transfer(tmp_path: Path) -> None:
         put(dst, digest, src)
         done = wait(dst, digest)
         assert done["state"] == "present", done
-        assert 0 < done["fetch"]["bytes_fetched"] < size  # the second job fetched only what was missing
-    finally:
-        src.stop()
-        dst.stop()
+        assert 0 < done["fetch"]["bytes_fetched"] < SIZE_KILLED  # the second job fetched only what was missing
 
 
 def test_a_delete_after_a_failed_fetch_removes_what_it_kept_for_a_resume(tmp_path: Path) -> None:
     """Nothing else removes a failed fetch's partial file (a restart keeps it, for a resume): a
     DELETE of its digest does, says how much, and forgets the fetch; the next DELETE finds nothing."""
-    port = free_port("127.0.0.2", "127.0.0.3")
-    src = Agent("src", "127.0.0.2", port, tmp_path / "src").start()
-    dst = Agent("dst", "127.0.0.3", port, tmp_path / "dst").start()
-    try:
-        size = 256 << 20  # as above: still copying when the kill comes
-        model = tmp_path / "m.gguf"
-        model.write_bytes(b"GGUF" + os.urandom(size - 4))
-        digest = import_model(src, model)
-        put(dst, digest, src)
-        while dst.get(f"/v1/weights/{digest}").json()["bytes_done"] < size // 8:
-            time.sleep(0.002)
-        src.stop(signal.SIGKILL)
-        failed = wait(dst, digest)
+    with killed_mid_transfer(tmp_path) as (_, dst, digest, failed):
         assert failed["state"] == "failed" and failed["resumable"] is True, failed
         partial = dst.home / "store" / "partial"
         kept = sum(p.stat().st_size for p in partial.iterdir())
-        assert kept >= size // 8
+        assert kept >= SIZE_KILLED // 8
         r = httpx.delete(f"{dst.url}/v1/weights/{digest}", headers=AUTH, timeout=10)
         assert r.status_code == 200, r.text
         assert r.json() == {"digest": digest, "state": "deleted", "partial_bytes_removed": kept}
@@ -289,9 +286,6 @@ def test_a_delete_after_a_failed_fetch_removes_what_it_kept_for_a_resume(tmp_pat
         assert dst.get(f"/v1/weights/{digest}").json()["state"] == "absent"
         again = httpx.delete(f"{dst.url}/v1/weights/{digest}", headers=AUTH, timeout=10)
         assert again.status_code == 404 and again.json()["error"]["code"] == "weights_not_held"
-    finally:
-        src.stop()
-        dst.stop()
 
 
 # ---- disk work off the event loop, and a disk that is (nearly) full ----
