@@ -143,3 +143,18 @@ def test_an_answer_other_than_the_bytes_asked_for_is_refused_before_any_is_hande
 def test_the_bytes_asked_for_are_taken(peer: Callable[..., str]) -> None:
     outcome, handed = fetch(peer(ranged(100, "bytes 100-199/1000")), 100, 199)
     assert (outcome, handed) == (206, 100)
+
+
+def test_what_a_bulk_peer_sent_before_it_stalled_is_all_taken(peer: Callable[..., str]) -> None:
+    """The bulk reader hands bytes on in blocks: those of a last, short block, there when the peer
+    stalls, are still handed on and counted before it is given up on (a resume starts after them)."""
+    length, sent = BULK + (16 << 20), BULK + (2 << 20) + 12345  # not a whole number of blocks
+
+    def stall_mid_block(conn: socket.socket, done: threading.Event) -> None:
+        conn.sendall(head(length) + os.urandom(sent))
+        done.wait(30)
+
+    outcome, handed = fetch(peer(stall_mid_block))
+    assert isinstance(outcome, PeerError) and outcome.code == "peer_too_slow" and outcome.resumable, outcome
+    assert handed == sent
+    assert f"({sent:,} of {length:,} bytes so far)" in str(outcome), outcome
