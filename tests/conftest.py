@@ -28,6 +28,20 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
                           env=full_env, cwd=cwd, input=input)
 
 
+E2E_MODULE = "\npytestmark = pytest.mark.e2e\n"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """`-m "not e2e"` does not import a module whose tests are all end-to-end (its `pytestmark`):
+    their imports (openai, torch) were most of the quick suite's collection time."""
+    if (config.option.markexpr or "").strip() != "not e2e" or collection_path.suffix != ".py":
+        return None
+    try:
+        return E2E_MODULE in collection_path.read_text(encoding="utf-8") or None
+    except OSError:
+        return None
+
+
 @pytest.fixture
 def root() -> Path:
     return ROOT

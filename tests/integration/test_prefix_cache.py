@@ -1,7 +1,7 @@
 """The PyTorch engine's prefix cache: a prompt's opening computed once serves later prompts that
 begin alike with the same logits and the same greedy answers as computing it again; the cache
-stays within its token cap. In process on the tiny model, and on real workers (e2e) against a
-worker without a cache, tiny and SmolLM2."""
+stays within its token cap. The engine's layers in process on the tiny model, and real workers
+against a worker without a cache, tiny and SmolLM2: all with a real engine, so all end-to-end."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from agent.backends.torch_layers import Stack
 from agent.backends.torch_prefix import Hit, Prefill, PrefixCache, common
 from tests.integration.test_torch_worker import Worker, completion, together
 from tests.models import tiny_safetensors
+
+pytestmark = pytest.mark.e2e
 
 OPENING = "The fleet keeps every model pinned by digest, replicated from a peer, and served by a cluster. "
 ENDINGS = ["Hello", "A cluster serves one model", "Weights", "What is the capital of France?", "x y z", "The end"]
@@ -154,7 +156,6 @@ def pair(tiny_dir: Path) -> Iterator[tuple[Worker, Worker]]:
     plain.stop()
 
 
-@pytest.mark.e2e
 class TestWorkers:
     """Real workers: answers with the cache equal answers without it, and the hits are counted."""
 
