@@ -140,6 +140,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise Refused(f"--disk-reserve: {exc}") from None
 
+    if args.max_connections is not None and args.max_connections < 1:
+        raise Refused(f"--max-connections {args.max_connections}: expected 1 or more")
+
     from .app import assemble, create_app
     from .launch import ProcessLauncher
     from .server import serve
@@ -147,7 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ctx = assemble(home, ident, secret, __version__, probe, ProcessLauncher(), listen_host=host, windows=wins,
                    verify_every_s=verify_every, disk_reserve=reserve, weights_key=weights_key, peer_tls=peer_tls)
     return serve(create_app(ctx), host, port, ident, spawner=ctx.spawner, workers=ctx.workers,
-                 tls_cert=args.tls_cert, tls_key=args.tls_key)
+                 max_connections=args.max_connections, tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -29,6 +29,8 @@ from urllib.parse import unquote
 import trio
 from starlette.types import ASGIApp, Message
 
+from host.descriptors import raise_descriptor_limit
+
 from .. import sockio
 from .http1 import SLICE, Limits, Parser, Refused, Request, error_response, response_head
 from .streams import ByteStream, PlainStream, ServerTls
@@ -56,22 +58,6 @@ def connection_cap(nofile: int | None = None) -> int:
         nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         nofile = 1 << 20 if nofile == resource.RLIM_INFINITY else nofile
     return max(16, (nofile - RESERVED_FDS) // 2)
-
-
-def raise_descriptor_limit(ceiling: int = 65536) -> int:
-    """Raise the soft RLIMIT_NOFILE towards the hard one, to `ceiling` at most (systemd gives 1,024
-    soft and 524,288 hard, and expects a service that needs more to raise it itself; beyond 65,536
-    the cap would let idle connections hold more memory than descriptors are worth). Returns
-    the soft limit now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = ceiling if hard == resource.RLIM_INFINITY else min(hard, ceiling)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    return soft
 
 
 class ClientGone(Exception):

@@ -1,10 +1,13 @@
 """A real fleet-agent given input built to break its parsers: a Range of thousands of digits and a
-JSON body nested 100,000 deep are answered with a JSON error and a stable code, never a 500."""
+JSON body nested 100,000 deep are answered with a JSON error and a stable code, never a 500; and a
+client holding more connections than the agent's cap is answered 503."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -78,3 +81,41 @@ def test_a_body_nested_100000_deep_is_a_400(agent: Agent, method: str, path: str
     assert r.json()["error"]["code"] == "bad_request"
     assert "nested too deeply" in r.json()["error"]["message"]
     assert agent.get("/v1/state").status_code == 200  # and the agent goes on answering
+
+
+def test_connections_past_the_cap_are_answered_503_and_the_agent_keeps_serving(tmp_path: Path) -> None:
+    """A client that opens connections and holds them takes at most the agent's cap (here 3): one
+    more is answered 503 too_many_connections at once, the refusal is logged, and a connection
+    given back is taken by the next client. Unbounded, such a client takes the descriptors the
+    agent's own fetches and workers need."""
+    a = Agent("node-c", "127.0.0.2", free_port("127.0.0.2"), tmp_path / "c", args=["--max-connections", "3"])
+    a.start()
+    time.sleep(0.5)  # start()'s health check has closed its connection, and the agent its end
+    held: list[socket.socket] = []
+    try:
+        for _ in range(3):
+            held.append(socket.create_connection((a.address, a.port), timeout=0.5))
+            with pytest.raises(TimeoutError):
+                held[-1].recv(1)  # held: nothing said, not closed
+        r = httpx.get(a.url + "/healthz", timeout=10)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "too_many_connections" and "at most 3 connections" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "1"
+        held.pop().close()
+        deadline = time.monotonic() + 10
+        while (r := httpx.get(a.url + "/healthz", timeout=10)).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the agent closes its end as soon as it reads the client's close
+        assert r.status_code == 200, r.text
+        assert time.monotonic() < deadline - 9, "the closed connection's place came back late"
+    finally:
+        for s in held:
+            s.close()
+        a.stop()
+    assert "[too_many_connections]" in a.log() and "all 3 allowed are held" in a.log()
+
+
+def test_max_connections_must_be_positive(tmp_path: Path) -> None:
+    a = Agent("node-z", "127.0.0.2", free_port("127.0.0.2"), tmp_path / "z", args=["--max-connections", "0"])
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        a.start(timeout=20)
+    assert "--max-connections 0: expected 1 or more" in a.log()
