@@ -181,7 +181,8 @@ def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, spawner: Spawn
     if tls_cert and tls_key:
         config.certfile, config.keyfile = tls_cert, tls_key
     scheme = "https" if tls_cert else "http"
-    door = Door(max_connections or connection_cap(raise_descriptor_limit()))
+    nofile = raise_descriptor_limit()  # for the agent's own files too, whatever the cap
+    door = Door(max_connections or connection_cap(nofile))
 
     async def main() -> None:
         shutdown = trio.Event()
