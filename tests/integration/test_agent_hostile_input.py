@@ -90,13 +90,20 @@ def test_connections_past_the_cap_are_answered_503_and_the_agent_keeps_serving(t
     agent's own fetches and workers need."""
     a = Agent("node-c", "127.0.0.2", free_port("127.0.0.2"), tmp_path / "c", args=["--max-connections", "3"])
     a.start()
-    time.sleep(0.5)  # start()'s health check has closed its connection, and the agent its end
     held: list[socket.socket] = []
     try:
-        for _ in range(3):
+        deadline = time.monotonic() + 10
+        while len(held) < 3:  # start()'s health check gives its place back as the agent reads its close
             held.append(socket.create_connection((a.address, a.port), timeout=0.5))
-            with pytest.raises(TimeoutError):
-                held[-1].recv(1)  # held: nothing said, not closed
+            try:
+                held[-1].recv(1)  # answered at once: refused, the place not yet given back
+            except TimeoutError:
+                continue  # held: nothing said, not closed
+            for s in held:
+                s.close()
+            held.clear()
+            assert time.monotonic() < deadline, "three connections were never held at once"
+            time.sleep(0.1)
         r = httpx.get(a.url + "/healthz", timeout=10)
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "too_many_connections" and "at most 3 connections" in r.json()["error"]["message"]
