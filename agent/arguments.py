@@ -61,7 +61,7 @@ def build_parser() -> Parser:
     p.add_argument("--max-connections", type=int, metavar="N",
                    help="connections held at once; one more is answered 503 too_many_connections and closed, "
                         "so clients never take the descriptors the agent's own work needs (default: from the "
-                        "descriptor limit, which the agent raises to 65,536 where the hard limit allows: 32,704)")
+                        "descriptor limit, which the agent raises to 65,536 where the hard limit allows: 21,802)")
 
     p = sub.add_parser("import", help="hash and store a local model; print its digest",
                        description="Import a model this node holds the original of (an HF directory with "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 import trio
 from hypercorn.config import Config
+from hypercorn.events import Event, Updated
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
@@ -49,10 +50,11 @@ READ = 64 * 1024
 
 
 def connection_cap(nofile: int) -> int:
-    """Connections held at once, from the soft RLIMIT_NOFILE: what the reserve leaves, halved,
-    since a blob answer holds a second descriptor (its file). 1,024 (the usual default) gives 448;
-    65,536 (what the agent raises it to where the hard limit allows) 32,704."""
-    return max(16, (nofile - RESERVED_FDS) // 2)
+    """Connections held at once, from the soft RLIMIT_NOFILE: what the reserve leaves, over three,
+    since a blob answer holds three descriptors (the connection, its file, and the duplicate of the
+    connection its body is sent on). 1,024 (the usual default) gives 298; 65,536 (what the agent
+    raises it to where the hard limit allows) 21,802."""
+    return max(16, (nofile - RESERVED_FDS) // 3)
 
 
 class Door:
@@ -110,15 +112,22 @@ class Door:
 class _Connection(TCPServer):
     """hypercorn's connection, closed as soon as its client has closed its end: hypercorn waits
     out the keep-alive timer first (120 s here) holding the descriptor in CLOSE-WAIT, and with
-    it a place under the Door's cap. A request in flight when the client's end closes is told
-    the client is gone, as hypercorn already tells it."""
+    it a place under the Door's cap. A request in flight when the client's end closes (a client
+    that half-closes after its request) is answered first, as hypercorn does."""
 
     _ended = False
+    _idle = True  # no request in flight (hypercorn's keep-alive timer runs)
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, Updated):
+            self._idle = event.idle
+        await super().protocol_send(event)
 
     async def _read_data(self) -> None:
         await super()._read_data()
         self._ended = True
-        await self.idle_task.restart(self._task_group, self._idle_timeout)
+        if self._idle:  # else a client that half-closed after its request still gets the answer,
+            await self.idle_task.restart(self._task_group, self._idle_timeout)  # closed once idle
 
     async def _idle_timeout(self) -> None:
         if not self._ended:
@@ -178,6 +187,7 @@ def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, spawner: Spawn
     # fleet serve's heartbeat keeps its connection between beats (30 s by default): an idle one
     # closed after hypercorn's 5 s would be set up again on every beat.
     config.keep_alive_timeout = 120
+    config.alpn_protocols = ["http/1.1"]  # fleet speaks HTTP/1.1; over h2 a blob abandoned mid-body held its connection
     if tls_cert and tls_key:
         config.certfile, config.keyfile = tls_cert, tls_key
     scheme = "https" if tls_cert else "http"
