@@ -29,13 +29,11 @@ from urllib.parse import unquote
 import trio
 from starlette.types import ASGIApp, Message
 
-from host.descriptors import raise_descriptor_limit
-
 from .. import sockio
 from .http1 import SLICE, Limits, Parser, Refused, Request, error_response, response_head
 from .streams import ByteStream, PlainStream, ServerTls
 
-__all__ = ["Front", "Limits", "connection_cap", "raise_descriptor_limit"]
+__all__ = ["Front", "Limits", "connection_cap"]
 
 log = logging.getLogger("fleet")
 

@@ -12,6 +12,8 @@ import ssl
 
 import trio
 
+from host.descriptors import raise_descriptor_limit
+
 from ..client import AgentClient
 from ..model import Desired
 from ..observe import observer
@@ -21,7 +23,7 @@ from ..state_store import ServeRecord
 from .drains import DrainWatcher
 from .leader import Roles
 from ..transport import SocketTransport
-from .front import Front, connection_cap, raise_descriptor_limit
+from .front import Front, connection_cap
 from .http1 import Limits
 from .heartbeat import Heartbeat, View
 from .metrics import ServeMetrics
