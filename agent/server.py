@@ -63,14 +63,14 @@ class Door:
     the refusal logged at most every WARN_EVERY_S: the agent's own work (fetches, workers, the
     store) keeps the descriptors it needs whatever its clients open."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, node: str = "") -> None:
         self.cap = cap
         self.held = 0
         self.refused = 0
         self._lingering = 0
         self._warned_at = -math.inf
         body = json.dumps({"error": {"code": "too_many_connections", "message":
-                                     f"this agent holds at most {cap} connections at once and all are "
+                                     f"the agent of node {node!r} holds at most {cap} connections at once, all "
                                      "held; retry shortly (fleet-agent serve --max-connections)"}}).encode()
         self._busy = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
                       f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n").encode() + body
@@ -192,7 +192,7 @@ def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, spawner: Spawn
         config.certfile, config.keyfile = tls_cert, tls_key
     scheme = "https" if tls_cert else "http"
     nofile = raise_descriptor_limit()  # for the agent's own files too, whatever the cap
-    door = Door(max_connections or connection_cap(nofile))
+    door = Door(max_connections or connection_cap(nofile), ident.name)
 
     async def main() -> None:
         shutdown = trio.Event()
