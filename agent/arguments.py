@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from wire.command_line import Parser, exit_codes_epilog
 
-from . import __version__
+from agent import __version__
 
 DEFAULT_HOME = "/var/lib/fleet-agent"
 DEFAULT_PORT = 7070

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from wire.command_line import Exit, UsageError, error_document, json_asked
 from wire.windows import Window
 
-from . import __version__, environment, identity, inventory
-from .arguments import DEFAULT_HOME, DEFAULT_PORT, PEER_CA_ENV, build_parser
+from agent import __version__
+from agent.machine import environment, identity, inventory
+from agent.arguments import DEFAULT_HOME, DEFAULT_PORT, PEER_CA_ENV, build_parser
 
 if TYPE_CHECKING:
     import ssl
 
-    from .sealed import Key
+    from agent.weights.sealed import Key
 
 EXIT_REFUSED = Exit.INVALID_CONFIG  # the environment or the flags make it pointless: said why, did nothing
 
@@ -50,7 +51,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
 
 
 def _secret() -> bytes:
-    from .auth import BadSecret, cluster_secret
+    from agent.auth import BadSecret, cluster_secret
 
     try:
         return cluster_secret(os.environ.get("FLEET_CLUSTER_SECRET"))
@@ -63,7 +64,7 @@ def _weights_key(args: argparse.Namespace, guard: bool = False) -> Key | None:
     Once one is held (or `guard`: the agent, whose environment holds the cluster secret for its life)
     the process is made undumpable (sealed.guard_process): no worker can read its memory, its
     descriptors (the decrypted models' memfds) or its environment through /proc."""
-    from .sealed import KEY_ENV, KEY_FILE_ENV, KeyProblem, guard_process, load_key
+    from agent.weights.sealed import KEY_ENV, KEY_FILE_ENV, KeyProblem, guard_process, load_key
 
     try:
         key = load_key(args.key_file, os.environ)
@@ -128,8 +129,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     peer_tls = _peer_tls(args)
     weights_key = _weights_key(args, guard=True)
 
-    from .fetch import parse_size
-    from .verify import parse_period
+    from agent.transfer.fetch import parse_size
+    from agent.weights.verify import parse_period
 
     try:
         verify_every = parse_period(args.verify_every)
@@ -143,9 +144,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_connections is not None and args.max_connections < 1:
         raise Refused(f"--max-connections {args.max_connections}: expected 1 or more")
 
-    from .app import assemble, create_app
-    from .launch import ProcessLauncher
-    from .server import serve
+    from agent.app import assemble, create_app
+    from agent.backends.launch import ProcessLauncher
+    from agent.api.server import serve
 
     ctx = assemble(home, ident, secret, __version__, probe, ProcessLauncher(), listen_host=host, windows=wins,
                    verify_every_s=verify_every, disk_reserve=reserve, weights_key=weights_key, peer_tls=peer_tls)
@@ -183,7 +184,7 @@ def _piece_size(text: str) -> int | None:
     """The --piece-size given, or None for `auto` (wire.pieces.sized, file by file)."""
     from wire.pieces import MAX_PIECE, MIN_PIECE
 
-    from .fetch import parse_size
+    from agent.transfer.fetch import parse_size
 
     if text.strip().lower() == "auto":
         return None
@@ -197,7 +198,7 @@ def _piece_size(text: str) -> int | None:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from .store import Store, StoreError
+    from agent.weights.store import Store, StoreError
 
     home = _home(args)
     try:
@@ -236,7 +237,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_make_test_model(args: argparse.Namespace) -> int:
     try:
-        from . import testmodel
+        from agent.simulation import testmodel
     except ImportError as exc:
         raise Refused(f"making test models needs numpy, safetensors, gguf and tokenizers "
                       f"(pip install 'fleet[testmodels]'): {exc}") from None
@@ -251,7 +252,7 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import ConvertError, convert
+    from agent.weights.convert import ConvertError, convert
 
     try:
         out = convert(Path(args.gguf), Path(args.out), args.dtype)
@@ -263,7 +264,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from . import simulate
+    from agent.simulation import simulate
 
     held = []
     for spec in args.hold or ():

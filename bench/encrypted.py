@@ -2,7 +2,7 @@
 real agent: the time from POST /v1/servers to `running`, for SmolLM2-135M-Instruct as GGUF
 (llama.cpp, 98 MB Q4_1) and as float32 safetensors (PyTorch, 540 MB), each imported twice (plain,
 and with --encrypt), started alternately. Also printed: decrypting the model into memfds alone
-(agent/unseal.py: AES-256-GCM, tags and plaintext sha256 checked) against reading and hashing the
+(agent/weights/unseal.py: AES-256-GCM, tags and plaintext sha256 checked) against reading and hashing the
 plain files, in this process. Target: no more than the decryption's own time added to a start.
 
     .venv/bin/python bench/encrypted.py [--runs 2] [--tiny]
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from agent.sealed import parse_key  # noqa: E402
-from agent.store import Store  # noqa: E402
-from agent.unseal import Unsealer  # noqa: E402
+from agent.weights.sealed import parse_key  # noqa: E402
+from agent.weights.store import Store  # noqa: E402
+from agent.weights.unseal import Unsealer  # noqa: E402
 from tests.agents import SECRET, Agent, agent_env, free_port  # noqa: E402
 from tests.conftest import fleet_bin  # noqa: E402
 from tests.models import smollm2_gguf, smollm2_safetensors, tiny_gguf, tiny_safetensors  # noqa: E402

@@ -3,12 +3,12 @@ streams in one run: aggregate tokens/s, the ratio, and each stream's time to fir
 against the single stream's. Targets (issue 13), PyTorch engine: 8 streams >= 3x one stream, no
 stream's TTFT worse than 2x the single-stream figure.
 
-Engines, each started with the argv of its launch spec (agent/backends/torch.py, llama_cpp.py),
+Engines, each started with the argv of its launch spec (agent/backends/torch/spec.py, llama_cpp.py),
 threads T and a context of 2048:
-  torch        agent.backends.torch_worker (the batched engine), on the float32 twin made by
+  torch        agent.backends.torch.worker (the batched engine), on the float32 twin made by
                `fleet-agent convert` (the tests' copy under .pytest_cache/d/fleet-models)
   torch_nocache  the same with --prefix-cache 0 (every prompt prefilled whole)
-  llama_cpp    agent.backends.llama_cpp_worker (llama-cpp-python's server app) on the GGUF
+  llama_cpp    agent.backends.llama_cpp.worker (llama-cpp-python's server app) on the GGUF
   llama_cpp_ni the same with --interrupt_requests False (the server's default, True, ends a running
                stream early whenever another request arrives: see "cut")
   llama_cpp_xN N such servers (N = --procs, each with T threads), streams spread round-robin:
@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from reconciler.netutil import free_port  # noqa: E402
+from reconciler.agents.netutil import free_port  # noqa: E402
 from tests.models import smollm2_gguf, smollm2_safetensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -329,8 +329,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--procs", type=int, default=2, help="processes for llama_cpp_xN")
     args = ap.parse_args()
-    from agent.backends import llama_cpp as llama_spec
-    from agent.backends import torch as torch_spec
+    from agent.backends.llama_cpp import spec as llama_spec
+    from agent.backends.torch import spec as torch_spec
 
     gguf = smollm2_gguf()
     llama = launch(llama_spec.SPEC, gguf, args.threads)

@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import trio  # noqa: E402
 
 from bench.simfleet import DIGEST, addresses, cpu_of, machine, simulated, touch_gpus  # noqa: E402
-from reconciler.client import AgentClient  # noqa: E402
-from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec  # noqa: E402
-from reconciler.observe import observer  # noqa: E402
+from reconciler.agents.client import AgentClient  # noqa: E402
+from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec  # noqa: E402
+from reconciler.agents.observe import observer  # noqa: E402
 from reconciler.serve.heartbeat import Heartbeat  # noqa: E402
-from reconciler.state_store import StateStore  # noqa: E402
-from reconciler.transport import SocketTransport  # noqa: E402
+from reconciler.state.store import StateStore  # noqa: E402
+from reconciler.agents.transport import SocketTransport  # noqa: E402
 from tests.agents import SECRET  # noqa: E402
 
 INTERVAL_S, TARGET = 30.0, 5.0  # % of one core

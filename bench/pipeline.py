@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from reconciler.netutil import free_port  # noqa: E402
+from reconciler.agents.netutil import free_port  # noqa: E402
 from tests.models import sliced, smollm2_safetensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,7 +148,7 @@ def main() -> None:
     py = sys.executable
 
     port = free_port("127.0.0.1")
-    whole = [start([py, "-m", "agent.backends.torch_worker", "--model", str(twin), "--host", "127.0.0.1", "--port",
+    whole = [start([py, "-m", "agent.backends.torch.worker", "--model", str(twin), "--host", "127.0.0.1", "--port",
                     str(port), "--threads", str(args.threads)], args.nice)]
     whole_url = f"http://127.0.0.1:{port}"
     port = free_port(*ADDRESSES)
@@ -158,7 +158,7 @@ def main() -> None:
     details = {"group": "bench0000000000", "world_size": 2, "rendezvous": {"address": ADDRESSES[0], "port": port + 1},
                "stages": [{"node": f"node{i}", "address": a, "layers": s} for i, (a, s) in enumerate(zip(ADDRESSES, SPANS))]}
     extra = ["--micro-batches", str(args.micro_batches)] if args.micro_batches else []
-    stages = [start([py, "-m", "agent.backends.pipeline_stage", "--model", str(d), "--host", ADDRESSES[i], "--port",
+    stages = [start([py, "-m", "agent.backends.pipeline.stage", "--model", str(d), "--host", ADDRESSES[i], "--port",
                      str(port), "--threads", str(args.threads), "--pipeline", json.dumps({**details, "rank": i}),
                      *extra], args.nice) for i, d in enumerate(dirs)]
     try:

@@ -8,9 +8,9 @@ of 10,000 start actions <= 30 s. The simulated agents run on the same machine as
 is printed too, and the machine's cores and load (a shared machine's figures vary with its load).
 Each size is planned cold (no cache of observed states nor of the validated file: a CI pipeline's
 first plan, which then writes them) and warm (the next plan: every agent is still asked, and
-answers 304 for the state held; reconciler/obscache.py). After the plans, the same steps run in this process, cold then
+answers 304 for the state held; reconciler/cache/observed.py). After the plans, the same steps run in this process, cold then
 warm, each timed alone (CPU): reading the file (warm: what it validated to, kept by
-reconciler/desiredcache.py), reading the cache, asking the agents, keeping the states, planning,
+reconciler/cache/desired.py), reading the cache, asking the agents, keeping the states, planning,
 writing the JSON; so a change's effect shows where it lands.
 
     .venv/bin/python bench/plan_scale.py [--sizes 1000,10000] [--apply-sizes 1000,10000] [--no-split]
@@ -31,9 +31,9 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.simfleet import DIGEST, addresses, cpu_of, machine, simulated  # noqa: E402
-from reconciler.model import Desired  # noqa: E402
-from reconciler.obscache import DIR_ENV, OFF_ENV  # noqa: E402
-from reconciler.observed import Observed, ObservedNode  # noqa: E402
+from reconciler.core.desired import Desired  # noqa: E402
+from reconciler.cache.observed import DIR_ENV, OFF_ENV  # noqa: E402
+from reconciler.core.observed import Observed, ObservedNode  # noqa: E402
 from tests.agents import agent_env  # noqa: E402
 from tests.conftest import fleet_bin  # noqa: E402
 
@@ -70,12 +70,12 @@ def split(path: Path, secret: str, cache_dir: Path) -> tuple[str, int]:
     states a 304 confirmed."""
     import trio
 
-    from reconciler.client import AgentClient
-    from reconciler.commands import plan_json
-    from reconciler.desiredcache import DesiredCache
-    from reconciler.obscache import ObservationCache
-    from reconciler.observe import kept_to_the_end, observe
-    from reconciler.planner import plan
+    from reconciler.agents.client import AgentClient
+    from reconciler.cli.commands import plan_json
+    from reconciler.cache.desired import DesiredCache
+    from reconciler.cache.observed import ObservationCache
+    from reconciler.agents.observe import kept_to_the_end, observe
+    from reconciler.planning.planner import plan
 
     async def ask(desired: Desired, held: dict[str, ObservedNode]) -> Observed:
         async with AgentClient(secret, timeout=10.0) as client:

@@ -75,8 +75,8 @@ def serve_upstream(port: int, chunks: int) -> None:
     trio.run(functools.partial(serve, app, config))  # type: ignore[arg-type]
 
 def serve_router(port: int, upstream: int) -> None:
-    from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
-    from reconciler.observed import node_from_state
+    from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+    from reconciler.core.observed import node_from_state
     from reconciler.serve.heartbeat import View
     from reconciler.serve.front import Front
     from reconciler.serve.router import Router

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import trio  # noqa: E402
 
-from reconciler.state_backend import Store, open_state, sqlite_url  # noqa: E402
-from reconciler.state_pg import SharedStore  # noqa: E402
-from reconciler.state_store import LockHeld, ServeRecord  # noqa: E402
+from reconciler.state.backend import Store, open_state, sqlite_url  # noqa: E402
+from reconciler.state.pg import SharedStore  # noqa: E402
+from reconciler.state.store import LockHeld, ServeRecord  # noqa: E402
 from tests import postgres  # noqa: E402
 
 STATE = {"servers": [{"id": "c@n", "state": "running", "model": "sha256:" + "0" * 64, "port": 9000}],
@@ -150,7 +150,7 @@ def notify_and_takeover(a: SharedStore, b: Store, rounds: int) -> None:
 # A process holding the apply lock until killed (what a SIGKILLed `fleet apply` leaves).
 HOLDER = """
 import sys, time
-from reconciler.state_backend import open_state
+from reconciler.state.backend import open_state
 store = open_state(sys.argv[1])
 store.applies.acquire("fleet apply (to be killed)")
 print("held", flush=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from reconciler.netutil import free_port
+from reconciler.agents.netutil import free_port
 from tests.conftest import fleet_bin
 
 __all__ = ["SECRET", "Agent", "agent_env", "enroll", "free_port"]

@@ -49,7 +49,7 @@ def root() -> Path:
 
 @pytest.fixture(autouse=True, scope="session")
 def observation_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """plan, apply and observe keep agents' states in FLEET_CACHE_DIR (reconciler/obscache.py):
+    """plan, apply and observe keep agents' states in FLEET_CACHE_DIR (reconciler/cache/observed.py):
     the tests' go to a directory of the session's, not the user's cache."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FLEET_CACHE_DIR", str(tmp_path_factory.mktemp("fleet-cache")))

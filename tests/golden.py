@@ -11,10 +11,10 @@ from typing import Any, Callable
 
 import yaml
 
-from reconciler import config
-from reconciler.observed import from_snapshot
-from reconciler.plan import Plan
-from reconciler.planner import plan
+from reconciler.fleetfile import config
+from reconciler.core.observed import from_snapshot
+from reconciler.planning.plan import Plan
+from reconciler.planning.planner import plan
 from wire import manifest as mf
 from wire.layers import LayerRange
 

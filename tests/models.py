@@ -9,8 +9,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from agent.store import Store
-from agent.testmodel import Shape, make_gguf, make_safetensors
+from agent.weights.store import Store
+from agent.simulation.testmodel import Shape, make_gguf, make_safetensors
 
 
 def tiny_safetensors(base: Path) -> Path:
@@ -54,7 +54,7 @@ def smollm2_gguf() -> Path:
 def smollm2_safetensors(base: Path, dtype: str = "float32") -> Path:
     """Its safetensors twin through the product's own conversion (fleet-agent convert), made once
     under `base`; concurrent sessions converting at once both end up with the same directory."""
-    from agent.convert import ConvertError, convert
+    from agent.weights.convert import ConvertError, convert
 
     gguf = smollm2_gguf()
     out = base / f"smollm2-135m-instruct-{gguf.stat().st_size}-{dtype}"

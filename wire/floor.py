@@ -3,8 +3,8 @@ receives it alike: FLOOR_BYTES (or what is left of the body) within every FLOOR_
 
 A peer that stops, or drips a byte a minute, would otherwise hold a fetch, a thread or a
 connection for as long as it likes; at this floor a body's life is bounded by its length (a GiB
-in at most ~17 hours, a stalled one in a minute). The receiver (agent/peerhttp.py) gives up on a
-sender under it (`peer_too_slow`, the fetch resumes); the sender (agent/blobs.py) cuts a reader
+in at most ~17 hours, a stalled one in a minute). The receiver (agent/transfer/peerhttp.py) gives up on a
+sender under it (`peer_too_slow`, the fetch resumes); the sender (agent/transfer/blobs.py) cuts a reader
 under it (`blob_reader_too_slow`). A floor is far below any link fleet is used on (1 MiB a minute
 is 140 bit/s): only a peer that is gone, stuck or hostile meets it."""
 

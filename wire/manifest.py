@@ -6,7 +6,7 @@ dtype, shape, byte range, sha256). The model's digest is the sha256 of the canon
 A slice manifest is computed from the full manifest alone, so the control plane can promise a
 slice's digest without reading any weights. An encrypted model's manifest is its plaintext's, plus
 `encryption` (cipher, chunk size, the key's id; never the key): its digest pins the model's bytes
-and how they are sealed, not one sealing's random nonces (agent/sealed.py)."""
+and how they are sealed, not one sealing's random nonces (agent/weights/sealed.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from . import pieces
 from .layers import LayerRange
 
 MANIFEST_VERSION = 1
-ENCRYPTION_CIPHER = "aes-256-gcm"  # the only cipher of an encrypted model (agent/sealed.py)
+ENCRYPTION_CIPHER = "aes-256-gcm"  # the only cipher of an encrypted model (agent/weights/sealed.py)
 # \Z, not $: under re.match `$` also matches before a final newline, and "sha256:…\n" would pass.
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 HEX_RE = re.compile(r"^[0-9a-f]{64}\Z")

@@ -22,7 +22,7 @@ class ReplicateDetails(TypedDict):
 
 
 class ReplicationEstimate(TypedDict):
-    """A fetch's estimate (reconciler/node_notes.py): seconds None is "no measurement yet"."""
+    """A fetch's estimate (reconciler/planning/notes.py): seconds None is "no measurement yet"."""
 
     node_bytes: int  # every byte this plan fetches onto the receiving node
     seconds: float | None
@@ -73,9 +73,35 @@ class PipelineDetails(TypedDict):
     stages: list[Stage]  # in layer order
 
 
+class GpuShare(TypedDict):
+    """One GPU given to a server, and the bytes reserved for it there. The planner assigns them
+    (reconciler/planning/gpus.py); the agent launches the worker with exactly these GPUs visible
+    (CUDA_VISIBLE_DEVICES by uuid), refuses a start that would over-commit one by what its other
+    servers reserve there (`gpu_overcommitted`), and reports them back on the server
+    (wire.state.ServerEntry.gpus)."""
+
+    index: int  # the GPU's index on its node, as the agent's inventory reports it
+    uuid: str  # NVML's UUID ("GPU-..."), what the worker's CUDA_VISIBLE_DEVICES names
+    bytes: int  # reserved on this GPU for this server
+
+
+class VramEstimate(TypedDict):
+    """What a server needs in GPU memory, by part (the plan's JSON shows each): the weights as
+    loaded (dtype or quantisation), the KV cache for its context length and concurrent sequences,
+    and the engine's own overhead. `total_bytes` is their sum, split over the server's GPUs."""
+
+    weights_bytes: int
+    kv_cache_bytes: int
+    overhead_bytes: int
+    total_bytes: int
+    basis: str  # how the KV cache was sized, in words ("24 layers x 4 KV heads x 64 x 2 x f16 x 8,192 tokens x 1 sequence")
+
+
 class StartDetails(TypedDict):
     """start: run cluster `cluster`'s server `server_id` on `host`:`port`. A pipeline stage's
-    `digest` is its slice's, and `pipeline` places it in its group."""
+    `digest` is its slice's, and `pipeline` places it in its group. On a node with GPUs, `gpus`
+    names the GPUs it is given (and what is reserved on each) and `vram` how that was estimated;
+    absent on a CPU-only node."""
 
     cluster: str
     server_id: str  # wire.ids.server_id(cluster, node)
@@ -85,6 +111,8 @@ class StartDetails(TypedDict):
     host: str
     settings: ServerSettings
     pipeline: NotRequired[PipelineDetails]
+    gpus: NotRequired[list[GpuShare]]
+    vram: NotRequired[VramEstimate]
 
 
 class RunningServer(TypedDict):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
+from wire.plan_details import GpuShare
+
 
 class IdentityJson(TypedDict):
     id: str  # 32 lowercase hex digits
@@ -64,7 +66,7 @@ class SliceInfo(TypedDict):
 
 
 class Integrity(TypedDict):
-    """What the agent's last verification of a held model found (agent/verify.py)."""
+    """What the agent's last verification of a held model found (agent/weights/verify.py)."""
 
     state: str  # "unverified", "verified" or "corrupt" (no server starts on it: model_corrupt)
     checked_at: str | None  # ISO 8601, UTC
@@ -73,7 +75,7 @@ class Integrity(TypedDict):
 
 
 class Encryption(TypedDict):
-    """How a held model is encrypted at rest (agent/sealed.py), and whether this agent can decrypt it."""
+    """How a held model is encrypted at rest (agent/weights/sealed.py), and whether this agent can decrypt it."""
 
     cipher: str  # "aes-256-gcm"
     key_id: str  # the key it is sealed under, by id (never the key)
@@ -113,7 +115,7 @@ class FetchJob(TypedDict):
 
 
 class LinkRate(TypedDict):
-    """What the agent measured on its recent fetches from one peer (agent/rates.py)."""
+    """What the agent measured on its recent fetches from one peer (agent/transfer/rates.py)."""
 
     peer: str  # "HOST:PORT", the peer agent's address as fleet.yaml gives it
     bytes_per_s: int  # the recent fetches' bytes over their seconds, ask to commit
@@ -152,6 +154,10 @@ class ServerEntry(TypedDict):
     # What the worker asks of every request, as `Authorization: Bearer CREDENTIAL` (the router sends
     # it); absent from agents that predate it.
     credential: NotRequired[str]
+    # The GPUs the agent gave this server and the bytes reserved on each, as the start asked
+    # (wire.plan_details.GpuShare): what the planner's per-GPU ledger counts as fleet's own. Absent
+    # (or empty) for a server on no GPU.
+    gpus: NotRequired[list[GpuShare]]
 
 
 class AgentState(TypedDict):

@@ -1,18 +1,4 @@
-"""Server backends: one launch spec per engine (llama.cpp for GGUF, PyTorch for safetensors, and a
-PyTorch pipeline stage for a slice), and the registry that picks one by name or by the format a
-whole model is stored in."""
-
-from __future__ import annotations
-
-from typing import Mapping
-
-from ..launch import LaunchSpec
-from . import llama_cpp, pipeline, torch
-
-BACKENDS: Mapping[str, LaunchSpec] = {spec.name: spec for spec in (llama_cpp.SPEC, torch.SPEC, pipeline.SPEC)}
-PIPELINE = pipeline.NAME  # picked by name, for a start that places a slice in a pipeline
-
-
-def for_format(fmt: str, specs: Mapping[str, LaunchSpec] = BACKENDS) -> LaunchSpec | None:
-    """The backend of `specs` serving whole models stored in `fmt`, or None when none does."""
-    return next((spec for spec in specs.values() if spec.format == fmt and spec.name != PIPELINE), None)
+"""The engines fleet serves with, one sub-package each (`llama_cpp`, `torch`, `pipeline`: a launch
+spec and its worker), and what they share: the launch spec's types (`launch`), the OpenAI wire
+format (`openai_wire`), the ASGI lifespan answer (`asgi`). The registry that picks one is
+agent/serving/registry.py."""

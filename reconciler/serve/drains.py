@@ -1,4 +1,4 @@
-"""`fleet serve`'s side of a drain (reconciler/drain.py is apply's): notice at once that an apply
+"""`fleet serve`'s side of a drain (reconciler/applying/drain.py is apply's): notice at once that an apply
 drains a member, take it out of routing before anything else runs, say when its last request in
 flight ended, and admit it again once its agent, asked afresh, reports its new server."""
 
@@ -9,8 +9,8 @@ from typing import Any, Awaitable, Callable, Collection, Protocol
 
 import trio
 
-from ..state_drains import Drain
-from .heartbeat import View, utc_now
+from reconciler.state.drains import Drain
+from reconciler.serve.heartbeat import View, utc_now
 
 log = logging.getLogger("fleet")
 

@@ -29,9 +29,9 @@ from urllib.parse import unquote
 import trio
 from starlette.types import ASGIApp, Message
 
-from .. import sockio
-from .http1 import SLICE, Limits, Parser, Refused, Request, error_response, response_head
-from .streams import ByteStream, PlainStream, ServerTls
+from reconciler.agents import sockio
+from reconciler.serve.http1 import SLICE, Limits, Parser, Refused, Request, error_response, response_head
+from reconciler.serve.streams import ByteStream, PlainStream, ServerTls
 
 __all__ = ["Front", "Limits", "connection_cap"]
 

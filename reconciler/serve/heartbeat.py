@@ -13,11 +13,11 @@ import trio
 
 from wire.ids import server_id
 
-from ..model import Desired
-from ..observed import Observed, ObservedNode
-from ..plan import Plan
-from ..planner import plan
-from ..state_store import ServeRecord
+from reconciler.core.desired import Desired
+from reconciler.core.observed import Observed, ObservedNode
+from reconciler.planning.plan import Plan
+from reconciler.planning.planner import plan
+from reconciler.state.store import ServeRecord
 
 DEFAULT_INTERVAL_S = 30.0
 DEFAULT_MISSES = 2  # consecutive missed beats before node_offline: one lost packet is not an outage
@@ -46,7 +46,7 @@ class View:
 
 
 class Heartbeat:
-    """`observe` asks the fleet (reconciler.observe.observer in production); `store` keeps what it
+    """`observe` asks the fleet (reconciler.agents.observe.observer in production); `store` keeps what it
     found; `now` stamps the rows; `on_plan` hears each beat's drift plan (the metrics); `view`: the
     router's, when this heartbeat takes over from a leader that died."""
 

@@ -12,9 +12,9 @@ from typing import Any, Awaitable, Callable, Collection, Protocol
 
 import trio
 
-from ..observed import ObservedNode, node_from_state
-from ..state_store import ServeRecord
-from .heartbeat import Heartbeat, ObserveFn, View
+from reconciler.core.observed import ObservedNode, node_from_state
+from reconciler.state.store import ServeRecord
+from reconciler.serve.heartbeat import Heartbeat, ObserveFn, View
 
 log = logging.getLogger("fleet")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..plan import SUMMARY_ORDER, Plan
+from reconciler.planning.plan import SUMMARY_ORDER, Plan
 
 
 class ServeMetrics:

@@ -19,11 +19,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from wire.ids import server_id
 
-from ..model import ClusterSpec, Desired
-from .heartbeat import View
-from .metrics import ServeMetrics
-from . import upstream
-from .scrub import Scrubber, scrub_reason
+from reconciler.core.desired import ClusterSpec, Desired
+from reconciler.serve.heartbeat import View
+from reconciler.serve.metrics import ServeMetrics
+from reconciler.serve import upstream
+from reconciler.serve.scrub import Scrubber, scrub_reason
 
 
 log = logging.getLogger("fleet")

@@ -14,21 +14,21 @@ import trio
 
 from host.descriptors import raise_descriptor_limit
 
-from ..client import AgentClient
-from ..model import Desired
-from ..observe import observer
-from ..state_pg import SharedStore, store_errors
-from ..state_drains import DrainRows
-from ..state_store import ServeRecord
-from .drains import DrainWatcher
-from .leader import Roles
-from ..transport import SocketTransport
-from .front import Front, connection_cap
-from .http1 import Limits
-from .heartbeat import Heartbeat, View
-from .metrics import ServeMetrics
-from .router import Router
-from .streams import ServerTls, TlsFiles
+from reconciler.agents.client import AgentClient
+from reconciler.core.desired import Desired
+from reconciler.agents.observe import observer
+from reconciler.state.pg import SharedStore, store_errors
+from reconciler.state.drains import DrainRows
+from reconciler.state.store import ServeRecord
+from reconciler.serve.drains import DrainWatcher
+from reconciler.serve.leader import Roles
+from reconciler.agents.transport import SocketTransport
+from reconciler.serve.front import Front, connection_cap
+from reconciler.serve.http1 import Limits
+from reconciler.serve.heartbeat import Heartbeat, View
+from reconciler.serve.metrics import ServeMetrics
+from reconciler.serve.router import Router
+from reconciler.serve.streams import ServerTls, TlsFiles
 
 log = logging.getLogger("fleet")
 

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import trio
 
-from .. import sockio
+from reconciler.agents import sockio
 
 log = logging.getLogger("fleet")
 

@@ -14,7 +14,7 @@ import trio
 
 from wire.http import HeadError, HeadTooLarge, content_length, is_chunked, split_head
 
-from .. import sockio
+from reconciler.agents import sockio
 
 READ = 64 * 1024
 CONNECT_TIMEOUT = 5.0

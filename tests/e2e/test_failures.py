@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from agent.testmodel import Shape, make_gguf
+from agent.simulation.testmodel import Shape, make_gguf
 from tests.agents import Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import import_model

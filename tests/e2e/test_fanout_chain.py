@@ -42,7 +42,7 @@ class Chain:
     def old_model(self, name: str, size: int) -> tuple[str, bytes]:
         """The same kind of model committed on cp as a fleet from before prefix digests wrote it:
         its entry lists each piece's own sha256 (`pieces`), under the digest that pins that list."""
-        from agent.store import Store
+        from agent.weights.store import Store
         from wire import manifest as mf
         from wire import pieces
 

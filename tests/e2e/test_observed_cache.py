@@ -1,5 +1,5 @@
 """`fleet observe` (as plan and apply do) against a real fleet-agent process, keeping what it saw
-in the cache of observed states (reconciler/obscache.py): the next run uses a held state only once
+in the cache of observed states (reconciler/cache/observed.py): the next run uses a held state only once
 the agent confirms its generation, brought up to the agent's clock; a state that changed is asked
 for whole; a damaged cache is ignored with a warning."""
 
@@ -13,9 +13,9 @@ from typing import Any, Iterator
 
 import pytest
 
-from reconciler import config
-from reconciler.obscache import ObservationCache
-from reconciler.observed import Observed, node_from_state
+from reconciler.fleetfile import config
+from reconciler.cache.observed import ObservationCache
+from reconciler.core.observed import Observed, node_from_state
 from tests.agents import Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 

@@ -12,7 +12,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from reconciler.state_store import StateStore
+from reconciler.state.store import StateStore
 from tests.agents import SECRET, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import Fleet, chat, import_model, three_node_fleet

@@ -17,7 +17,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from reconciler.state_backend import open_state
+from reconciler.state.backend import open_state
 from tests.agents import agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import three_node_fleet

@@ -13,11 +13,11 @@ import pytest
 import trio
 
 from agent.app import assemble, create_app, route_table
-from agent.identity import Identity
-from agent.inventory import NoGpus
-from agent.launch import ProcessLauncher
-from reconciler.client import AgentClient, NodeAuthRejected, NodeUnreachable
-from reconciler.model import NodeSpec
+from agent.machine.identity import Identity
+from agent.machine.inventory import NoGpus
+from agent.backends.launch import ProcessLauncher
+from reconciler.agents.client import AgentClient, NodeAuthRejected, NodeUnreachable
+from reconciler.core.desired import NodeSpec
 from tests.agents import SECRET, Agent, agent_env, enroll, free_port
 from tests.conftest import fleet_bin
 
@@ -299,7 +299,7 @@ def test_agent_metrics_need_the_secret_and_report_the_tables(agents: tuple[Agent
 def test_a_slice_starts_only_as_the_pipeline_stage_of_its_layers(tmp_path: Path) -> None:
     import httpx
 
-    from agent.store import Store
+    from agent.weights.store import Store
     from tests.models import hold_slices, tiny_safetensors
 
     home = tmp_path / "stage"

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import fastjsonschema
 import pytest
 
-from reconciler.client import _state_check
+from reconciler.agents.client import _state_check
 from tests.agents import SECRET, free_port
 from tests.conftest import run_cli
 from tests.unit.test_client import GOOD

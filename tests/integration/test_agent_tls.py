@@ -21,8 +21,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from reconciler.model import NodeSpec
-from reconciler.transport import AgentRequest, SocketTransport
+from reconciler.core.desired import NodeSpec
+from reconciler.agents.transport import AgentRequest, SocketTransport
 from tests.agents import SECRET, Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 

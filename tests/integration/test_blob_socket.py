@@ -1,8 +1,8 @@
-"""A blob answer's body on real sockets (agent/blobs.py). It lifts its connection's
+"""A blob answer's body on real sockets (agent/transfer/blobs.py). It lifts its connection's
 TCP_NOTSENT_LOWAT while the body is sent: trio sets 16 KiB on every connection, which behind a
 1 Gbit/s link cost the sender 2 CPU-s per GiB in event-loop wake-ups; the connection is found by its
 two addresses and given its own value back after the body. A request that asks to close the
-connection after the answer (as agent/peerhttp.py asks) gets its body with sendfile on that socket,
+connection after the answer (as agent/transfer/peerhttp.py asks) gets its body with sendfile on that socket,
 never through the server's messages, the others in ASGI messages: a real agent answers both byte for
 byte, and the second keeps its connection. The sendfile path runs on the event loop, not in a worker
 thread: a peer that stops reading is cut, and fifty of them do not stop the agent's other work; a file
@@ -25,8 +25,8 @@ import pytest
 import trio
 from starlette.types import Message
 
-from agent.blobs import BULK_LOWAT, FD_SCAN_MAX, bulk_sending, connection_socket, send_direct, send_range
-from agent.forward import Partial, PartialBlobResponse, UpstreamEnded
+from agent.transfer.blobs import BULK_LOWAT, FD_SCAN_MAX, bulk_sending, connection_socket, send_direct, send_range
+from agent.transfer.forward import Partial, PartialBlobResponse, UpstreamEnded
 from tests.agents import SECRET, Agent, free_port
 from tests.fleets import import_model
 from wire.floor import FLOOR_BYTES

@@ -25,8 +25,8 @@ import pytest
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
-from reconciler.exitcodes import Exit
-from reconciler.state_store import StateStore
+from reconciler.cli.exitcodes import Exit
+from reconciler.state.store import StateStore
 from tests.agents import Agent, agent_env, free_port
 from tests.conftest import ROOT, fleet_bin
 from tests.fleets import import_model

@@ -10,8 +10,8 @@ from typing import Any, Awaitable, Callable
 import pytest
 import trio
 
-from reconciler.client import AgentClient, AgentHTTPError, AgentProtocolError, NodeAuthRejected, NodeUnreachable
-from reconciler.model import NodeSpec
+from reconciler.agents.client import AgentClient, AgentHTTPError, AgentProtocolError, NodeAuthRejected, NodeUnreachable
+from reconciler.core.desired import NodeSpec
 from tests.unit.test_client import GOOD
 
 HOST = "127.0.0.1"

@@ -12,10 +12,10 @@ import httpx
 import pytest
 import trio
 
-from reconciler.client import AgentClient
-from reconciler.model import ControlPlaneSpec, Desired, NodeSpec
-from reconciler.observe import HeartbeatObserver, observe
-from reconciler.transport import AgentRequest, SocketTransport
+from reconciler.agents.client import AgentClient
+from reconciler.core.desired import ControlPlaneSpec, Desired, NodeSpec
+from reconciler.agents.observe import HeartbeatObserver, observe
+from reconciler.agents.transport import AgentRequest, SocketTransport
 from tests.agents import SECRET, Agent, free_port
 
 # Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.demo import ENVIRONMENT_ERROR, MODEL_PIN, Unready, model_file, prepare
+from reconciler.cli.demo import ENVIRONMENT_ERROR, MODEL_PIN, Unready, model_file, prepare
 from tests.agents import agent_env
 from tests.conftest import fleet_bin
 

@@ -1,4 +1,4 @@
-"""Forwarding a file while it is fetched (agent/forward.py), in process on trio: only verified bytes
+"""Forwarding a file while it is fetched (agent/transfer/forward.py), in process on trio: only verified bytes
 are served, a request for bytes not there yet waits while the upstream progresses, and a wait ends,
 bounded, when the upstream stalls (piece_wait_timeout before the head, a cut answer after it) or
 fails (cut, naming the failure)."""
@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from agent.forward import Partial, PartialBlobResponse, UpstreamEnded
+from agent.transfer.forward import Partial, PartialBlobResponse, UpstreamEnded
 
 PIECE = 64 << 10
 DATA = os.urandom(8 * PIECE)

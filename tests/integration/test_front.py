@@ -265,8 +265,8 @@ async def relayed(worker: Callable[[trio.SocketStream], Awaitable[None]],
     """The router behind the front, its one cluster served by `worker` (a raw stand-in on
     loopback whose node's home is /srv/home, holding /srv/home/store/models/abc); yields a
     client connection that has sent a streamed chat request, and the router."""
-    from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
-    from reconciler.observed import node_from_state
+    from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+    from reconciler.core.observed import node_from_state
     from reconciler.serve.heartbeat import View
     from reconciler.serve.router import Router
 

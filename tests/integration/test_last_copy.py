@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.exitcodes import Exit
+from reconciler.cli.exitcodes import Exit
 from tests.agents import Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import import_model

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from agent.testmodel import Shape, make_gguf
+from agent.simulation.testmodel import Shape, make_gguf
 from tests.agents import SECRET, Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import import_model
@@ -132,7 +132,7 @@ def test_a_fetch_past_the_window_is_refused_by_plan_apply_and_agent(
         pair: tuple[Agent, Agent, dict[str, str], Path], tmp_path: Path) -> None:
     """A node whose window closes within two minutes, and whose earlier fetches from `a` ran at
     50 kB/s (its kept measurements, as a slow link leaves them): 64 MB would take ~21 min."""
-    from agent.rates import Rates
+    from agent.transfer.rates import Rates
 
     a, _, digests, base = pair
     now = datetime.now().astimezone()

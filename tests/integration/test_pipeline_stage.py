@@ -21,11 +21,11 @@ import openai
 import pytest
 import trio
 
-from agent.app import Spawner
-from agent.launch import ProcessLauncher
-from agent.store import Store
-from agent.workers import Refused, Workers
-from reconciler.netutil import free_port
+from agent.api.server import Spawner
+from agent.backends.launch import ProcessLauncher
+from agent.weights.store import Store
+from agent.serving.supervisor import Refused, Workers
+from reconciler.agents.netutil import free_port
 from tests.integration.test_torch_worker import Worker, sse_events, together
 from tests.models import hold_slices, sliced, tiny_safetensors
 
@@ -54,23 +54,23 @@ def details(spans: list[str], rank: int, port: int, group: str = "0123456789abcd
     ({"group": ""}, "group must be a non-empty string"),
 ], ids=["world-size", "rank", "gap", "not-from-0", "port", "group"])
 def test_pipeline_details_are_checked_before_any_process(change: dict[str, Any], message: str) -> None:
-    from agent.backends.pipeline import check_details
-    from agent.launch import BadSettings
+    from agent.backends.pipeline.spec import check_details
+    from agent.backends.launch import BadSettings
 
     with pytest.raises(BadSettings, match=message):
         check_details({**details(["0-1", "2-3"], 0, 9000), **change})
 
 
 def test_a_stage_is_launched_with_its_details_settings_and_reason_file() -> None:
-    from agent.backends import BACKENDS, PIPELINE, for_format
-    from agent.launch import BadSettings
+    from agent.serving.registry import BACKENDS, PIPELINE, for_format
+    from agent.backends.launch import BadSettings
 
     spec = BACKENDS[PIPELINE]
     assert for_format("safetensors") is BACKENDS["torch"]  # a whole model never goes to the stage worker
     settings = {"threads": 2, "context_length": 512, "startup_timeout_s": 300, "pipeline": details(["0-1", "2-3"], 1, 9000),
                 "reason_file": "/agent/servers/big@b.reason"}
     argv = spec.command("/store/slice", "10.0.0.2", 9000, settings, lambda d, w: d).argv
-    assert argv[1:9] == ("-m", "agent.backends.pipeline_stage", "--model", "/store/slice", "--host", "10.0.0.2",
+    assert argv[1:9] == ("-m", "agent.backends.pipeline.stage", "--model", "/store/slice", "--host", "10.0.0.2",
                          "--port", "9000")
     assert json.loads(argv[argv.index("--pipeline") + 1]) == details(["0-1", "2-3"], 1, 9000)
     assert argv[11:] == ("--context-length", "512", "--threads", "2", "--join-timeout", "150", "--reason-file",
@@ -80,7 +80,7 @@ def test_a_stage_is_launched_with_its_details_settings_and_reason_file() -> None
 
 
 class Pipeline:
-    """`python -m agent.backends.pipeline_stage` once per slice, stage i on ADDRESSES[i], all on one
+    """`python -m agent.backends.pipeline.stage` once per slice, stage i on ADDRESSES[i], all on one
     port (as a cluster's members), each one's output in its own log; stopped on exit."""
 
     def __init__(self, dirs: list[Path], spans: list[str], logs: Path, *extra: str, wait: bool = True) -> None:
@@ -92,7 +92,7 @@ class Pipeline:
         self.reasons = [logs / f"stage{i}.reason" for i in range(len(dirs))]
         self.procs = []
         for i, d in enumerate(dirs):
-            argv = [sys.executable, "-m", "agent.backends.pipeline_stage", "--model", str(d), "--host", ADDRESSES[i],
+            argv = [sys.executable, "-m", "agent.backends.pipeline.stage", "--model", str(d), "--host", ADDRESSES[i],
                     "--port", str(self.port), "--pipeline", json.dumps(details(spans, i, self.port)),
                     "--threads", "1", "--reason-file", str(self.reasons[i]), *extra]
             with open(self.logs[i], "wb") as out:

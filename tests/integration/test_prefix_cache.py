@@ -11,8 +11,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from agent.backends.torch_layers import Stack
-from agent.backends.torch_prefix import Hit, Prefill, PrefixCache, common
+from agent.backends.torch.layers import Stack
+from agent.backends.torch.prefix import Hit, Prefill, PrefixCache, common
 from tests.integration.test_torch_worker import Worker, completion, together
 from tests.models import tiny_safetensors
 

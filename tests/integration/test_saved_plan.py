@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from reconciler.exitcodes import Exit
-from reconciler.state_store import StateStore
+from reconciler.cli.exitcodes import Exit
+from reconciler.state.store import StateStore
 from tests.agents import Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import import_model

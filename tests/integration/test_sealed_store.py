@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.sealed import make_key
-from agent.store import Store, StoreError
-from agent.testmodel import Shape, make_safetensors
-from agent.unseal import KEY_MISSING, TAMPERED, Refusal, Unsealer
-from agent.launch import ProcessLauncher
-from agent.verify import check
-from agent.workers import Refused, Workers
+from agent.weights.sealed import make_key
+from agent.weights.store import Store, StoreError
+from agent.simulation.testmodel import Shape, make_safetensors
+from agent.weights.unseal import KEY_MISSING, TAMPERED, Refusal, Unsealer
+from agent.backends.launch import ProcessLauncher
+from agent.weights.verify import check
+from agent.serving.supervisor import Refused, Workers
 from tests.agents import free_port
 from tests.models import flip, tiny_safetensors
 

@@ -13,10 +13,10 @@ from typing import Awaitable, Callable, Iterator
 import pytest
 import trio
 
-from reconciler.state_backend import Store, open_state, sqlite_url
-from reconciler.state_sql import StateError
-from reconciler.state_sql import LATEST
-from reconciler.state_store import Drain, LockHeld, ServeRecord
+from reconciler.state.backend import Store, open_state, sqlite_url
+from reconciler.state.sql import StateError
+from reconciler.state.sql import LATEST
+from reconciler.state.store import Drain, LockHeld, ServeRecord
 from tests.postgres import Server
 
 Opener = Callable[[], Store]
@@ -130,7 +130,7 @@ def test_drains_count_only_while_their_apply_holds_the_lock(opened: Opener) -> N
 def test_postgresql_notifies_a_committed_beat(backend: tuple[str, str], opened: Opener) -> None:
     if backend[0] != "postgresql":
         pytest.skip("SQLite has no notifications: serve polls PRAGMA data_version")
-    from reconciler.state_pg import SharedStore
+    from reconciler.state.pg import SharedStore
 
     listener, writer = opened(), opened()
     assert isinstance(listener, SharedStore)
@@ -162,7 +162,7 @@ def test_postgresql_notifies_a_committed_beat(backend: tuple[str, str], opened: 
 def test_postgresql_leadership_passes_when_the_leader_goes(backend: tuple[str, str], opened: Opener) -> None:
     if backend[0] != "postgresql":
         pytest.skip("one fleet serve per SQLite store")
-    from reconciler.state_pg import SharedStore
+    from reconciler.state.pg import SharedStore
 
     store = opened()
     assert isinstance(store, SharedStore)
@@ -187,7 +187,7 @@ def test_a_bad_url_is_a_coded_refusal(tmp_path: Path) -> None:
 
 
 def _fleet(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    from reconciler.cli import run
+    from reconciler.cli.main import run
 
     code = run(list(argv))
     out, err = capsys.readouterr()
@@ -229,7 +229,7 @@ def test_unlock_refuses_a_lock_whose_session_lives(backend: tuple[str, str], ope
 def test_postgresql_beat_writes_wait_for_the_flush(backend: tuple[str, str], opened: Opener) -> None:
     if backend[0] != "postgresql":
         pytest.skip("SQLite writes a beat at once, on the event loop (it costs no round trips)")
-    from reconciler.state_pg import SharedStore
+    from reconciler.state.pg import SharedStore
 
     store, reader = opened(), opened()
     assert isinstance(store, SharedStore)
@@ -247,13 +247,13 @@ def test_postgresql_beat_writes_wait_for_the_flush(backend: tuple[str, str], ope
 def test_a_drain_meets_serve_through_the_store(backend: tuple[str, str], opened: Opener) -> None:
     """apply's Drainer and serve's DrainWatcher, each on its own connection, as fleet serve wires
     them (serve/run.py): on PostgreSQL woken by NOTIFY, on SQLite looking every 250 ms when idle."""
-    from reconciler.drain import Drainer
-    from reconciler.plan import Action, Change
+    from reconciler.applying.drain import Drainer
+    from reconciler.planning.plan import Action, Change
     from reconciler.serve.drains import DrainWatcher
     from reconciler.serve.heartbeat import View
     from reconciler.serve.run import SQLITE_IDLE_S
-    from reconciler.state_pg import SharedStore
-    from reconciler.state_store import DrainRows
+    from reconciler.state.pg import SharedStore
+    from reconciler.state.store import DrainRows
 
     apply, serve = opened(), opened()
     lock, _ = apply.applies.acquire("fleet apply")
@@ -299,7 +299,7 @@ def test_psycopg_is_loaded_only_for_a_postgresql_url(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    script = ("import sys\nfrom reconciler.cli import run\n"
+    script = ("import sys\nfrom reconciler.cli.main import run\n"
               f"code = run(['alerts', '--state-dir', {str(tmp_path)!r}])\n"
               "assert code == 0 and 'psycopg' not in sys.modules, (code, [m for m in sys.modules if 'psyco' in m])\n"
               "sys.modules['psycopg'] = None  # as if not installed\n"
@@ -314,11 +314,11 @@ def test_with_two_serves_drained_waits_for_the_followers_requests(backend: tuple
     routing too, has no request in flight on it either."""
     if backend[0] != "postgresql":
         pytest.skip("one fleet serve per SQLite store")
-    from reconciler.drain import Drainer
-    from reconciler.plan import Action, Change
+    from reconciler.applying.drain import Drainer
+    from reconciler.planning.plan import Action, Change
     from reconciler.serve.drains import DrainWatcher
     from reconciler.serve.heartbeat import View
-    from reconciler.state_pg import SharedStore
+    from reconciler.state.pg import SharedStore
 
     apply, leader, follower = opened(), opened(), opened()
     assert isinstance(leader, SharedStore) and isinstance(follower, SharedStore)
@@ -375,7 +375,7 @@ def test_an_apply_whose_session_ended_is_told_before_it_applies(backend: tuple[s
 
 
 def test_a_password_never_reaches_a_message() -> None:
-    from reconciler.state_pg import redact
+    from reconciler.state.pg import redact
 
     assert redact("postgresql://fleet:hunter2@db:5432/fleet") == "postgresql://fleet:***@db:5432/fleet"
     assert redact("postgresql://fleet@db/fleet?sslmode=require&password=hunter2") == \

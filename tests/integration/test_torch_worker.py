@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from reconciler.netutil import free_port
+from reconciler.agents.netutil import free_port
 from tests.models import tiny_safetensors
 
 # Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
@@ -27,12 +27,12 @@ HOST = "127.0.0.1"
 
 
 class Worker:
-    """`python -m agent.backends.torch_worker` on a free loopback port, stopped on exit."""
+    """`python -m agent.backends.torch.worker` on a free loopback port, stopped on exit."""
 
     def __init__(self, model: Path, *extra: str) -> None:
         self.model, self.port = model, free_port(HOST)
         self.url = f"http://{HOST}:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "agent.backends.torch_worker", "--model", str(model),
+        self.proc = subprocess.Popen([sys.executable, "-m", "agent.backends.torch.worker", "--model", str(model),
                                       "--host", HOST, "--port", str(self.port), "--threads", "1", *extra],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120

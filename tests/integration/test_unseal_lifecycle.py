@@ -23,12 +23,12 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import pytest
 import trio
 
-from agent.launch import ProcessLauncher
-from agent.sealed import make_key
-from agent.simulate import SimulatedLauncher, SimulatedProcess
-from agent.store import Store
-from agent.unseal import INSUFFICIENT_MEMORY, UNSEAL_FAILED, Unsealer
-from agent.workers import Workers
+from agent.backends.launch import ProcessLauncher
+from agent.weights.sealed import make_key
+from agent.simulation.simulate import SimulatedLauncher, SimulatedProcess
+from agent.weights.store import Store
+from agent.weights.unseal import INSUFFICIENT_MEMORY, UNSEAL_FAILED, Unsealer
+from agent.serving.supervisor import Workers
 from tests.agents import agent_env, enroll, free_port, wait_healthy
 from tests.conftest import fleet_bin
 from tests.models import tiny_gguf, tiny_safetensors
@@ -81,9 +81,9 @@ def test_too_little_memory_is_refused_naming_what_is_needed(tmp_path: Path, held
 
 NO_ROOM = """import resource, signal, sys
 from pathlib import Path
-from agent.sealed import make_key
-from agent.store import Store
-from agent.unseal import Refusal, Unsealer
+from agent.weights.sealed import make_key
+from agent.weights.store import Store
+from agent.weights.unseal import Refusal, Unsealer
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # a memfd is a file: its writes fail as on a full disk
 store = Store(Path(sys.argv[1]), make_key(bytes(range(32))))
@@ -240,7 +240,7 @@ def test_a_worker_gets_its_own_memfds_and_no_fleet_variable(tmp_path: Path, monk
 
 
 HOLDER = """import os, sys
-from agent.sealed import guard_process
+from agent.weights.sealed import guard_process
 fd = os.memfd_create("fleet:model", 0)
 os.write(fd, b"plaintext")
 if sys.argv[1] == "guarded":
@@ -309,7 +309,7 @@ def test_a_serving_agent_without_a_key_keeps_its_cluster_secret_from_its_users_p
 
 
 WORKER = """import os, sys, time
-from agent.sealed import guard_worker
+from agent.weights.sealed import guard_worker
 print(os.getpid(), guard_worker(), flush=True)
 time.sleep(60)
 """

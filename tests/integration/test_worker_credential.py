@@ -14,8 +14,8 @@ import httpx
 import pytest
 import trio
 
-from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
-from reconciler.observed import node_from_state
+from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+from reconciler.core.observed import node_from_state
 from reconciler.serve.heartbeat import View
 from reconciler.serve.router import Router
 from tests.agents import SECRET, Agent, free_port

@@ -17,11 +17,11 @@ import httpx
 import pytest
 import trio
 
-from agent.app import Spawner
-from agent.launch import BadSettings, Command, LaunchSpec, ModelPath, ProcessLauncher
-from agent.simulate import ClaimedStore, SimulatedLauncher
-from agent.store import Store
-from agent.workers import Refused, Server, Workers
+from agent.api.server import Spawner
+from agent.backends.launch import BadSettings, Command, LaunchSpec, ModelPath, ProcessLauncher
+from agent.simulation.simulate import ClaimedStore, SimulatedLauncher
+from agent.weights.store import Store
+from agent.serving.supervisor import Refused, Server, Workers
 from tests.agents import SECRET, agent_env, free_port, wait_healthy
 from tests.conftest import fleet_bin
 

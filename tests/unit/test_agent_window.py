@@ -11,9 +11,9 @@ import pytest
 import trio
 
 from agent.app import assemble, create_app
-from agent.identity import Identity
-from agent.inventory import NoGpus
-from agent.launch import ProcessLauncher
+from agent.machine.identity import Identity
+from agent.machine.inventory import NoGpus
+from agent.backends.launch import ProcessLauncher
 from wire.windows import Window
 
 TZ = timezone(timedelta(hours=2))
@@ -50,7 +50,7 @@ def test_new_work_is_refused_outside_the_window_only(tmp_path: Path, method: str
 def test_a_fetch_that_would_end_after_the_window_closes_is_refused(tmp_path: Path) -> None:
     """At 06:50 with the window closing at 07:00, 1 GB at the 1 MB/s this agent measured from the
     peer takes ~17 min: refused (the planner's figure, sent as `bytes`); 100 MB takes 100 s: fetched."""
-    from agent.rates import Rates
+    from agent.transfer.rates import Rates
 
     (tmp_path / "store").mkdir()
     Rates(tmp_path / "store" / "link-rates.json").record("http://10.0.0.1:7070", 50_000_000, 50.0)

@@ -8,7 +8,7 @@ import json
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-from reconciler import cli
+from reconciler.cli import main as cli
 
 FLEET = Path(__file__).resolve().parents[2] / "examples" / "local-demo.yaml"
 

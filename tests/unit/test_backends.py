@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from agent.backends import BACKENDS, for_format
-from agent.launch import BadSettings
+from agent.serving.registry import BACKENDS, for_format
+from agent.backends.launch import BadSettings
 
 PY = sys.executable
 MODEL, HOST, PORT = "/s/models/m", "10.0.0.2", 9000
@@ -22,31 +22,31 @@ def paths(digest: str, what: str) -> str:
 
 CASES: list[tuple[str, str, dict[str, Any], list[str], dict[str, Any] | None]] = [
     ("llama-plain", "llama_cpp", {},
-     [PY, "-m", "agent.backends.llama_cpp_worker", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
+     [PY, "-m", "agent.backends.llama_cpp.worker", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
     ("llama-all-settings", "llama_cpp", {"context_length": 4096, "threads": 8, "batch_size": 256, "tensor_parallel": 2},
-     [PY, "-m", "agent.backends.llama_cpp_worker", "--model", MODEL, "--host", HOST, "--port", "9000", "--n_ctx", "4096",
+     [PY, "-m", "agent.backends.llama_cpp.worker", "--model", MODEL, "--host", HOST, "--port", "9000", "--n_ctx", "4096",
       "--n_threads", "8", "--n_batch", "256", "--n_gpu_layers", "-1"], None),
     ("llama-tensor-parallel-zero-stays-on-cpu", "llama_cpp", {"tensor_parallel": 0},
-     [PY, "-m", "agent.backends.llama_cpp_worker", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
+     [PY, "-m", "agent.backends.llama_cpp.worker", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
     ("llama-prompt-lookup", "llama_cpp", {"speculative": {"mode": "prompt_lookup", "tokens": 3}},
-     [PY, "-m", "agent.backends.llama_cpp_worker", "--model", MODEL, "--host", HOST, "--port", "9000", "--draft_model",
+     [PY, "-m", "agent.backends.llama_cpp.worker", "--model", MODEL, "--host", HOST, "--port", "9000", "--draft_model",
       "prompt-lookup-decoding", "--draft_model_num_pred_tokens", "3"],
      {"mode": "prompt_lookup", "tokens": 3, "applied": True, "how": "llama.cpp prompt-lookup decoding"}),
     ("llama-draft-recorded-not-used", "llama_cpp", {"speculative": {"mode": "draft", "draft_digest": DRAFT}},
-     [PY, "-m", "agent.backends.llama_cpp_worker", "--model", MODEL, "--host", HOST, "--port", "9000"],
+     [PY, "-m", "agent.backends.llama_cpp.worker", "--model", MODEL, "--host", HOST, "--port", "9000"],
      {"mode": "draft", "draft_digest": DRAFT, "applied": False,
       "how": "llama-cpp-python's server drafts only by prompt lookup; a separate draft model is recorded but not used"}),
     ("torch-plain", "torch", {},
-     [PY, "-m", "agent.backends.torch_worker", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
+     [PY, "-m", "agent.backends.torch.worker", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
     ("torch-context-threads-ignores-batch", "torch", {"context_length": 512, "threads": 2, "batch_size": 64},
-     [PY, "-m", "agent.backends.torch_worker", "--model", MODEL, "--host", HOST, "--port", "9000",
+     [PY, "-m", "agent.backends.torch.worker", "--model", MODEL, "--host", HOST, "--port", "9000",
       "--context-length", "512", "--threads", "2"], None),
     ("torch-prompt-lookup-default-tokens", "torch", {"speculative": {"mode": "prompt_lookup"}},
-     [PY, "-m", "agent.backends.torch_worker", "--model", MODEL, "--host", HOST, "--port", "9000",
+     [PY, "-m", "agent.backends.torch.worker", "--model", MODEL, "--host", HOST, "--port", "9000",
       "--prompt-lookup", "10"],
      {"mode": "prompt_lookup", "applied": True, "how": "transformers prompt-lookup decoding"}),
     ("torch-draft", "torch", {"speculative": {"mode": "draft", "draft_digest": DRAFT}},
-     [PY, "-m", "agent.backends.torch_worker", "--model", MODEL, "--host", HOST, "--port", "9000",
+     [PY, "-m", "agent.backends.torch.worker", "--model", MODEL, "--host", HOST, "--port", "9000",
       "--draft", "/s/models/dddddddd"],
      {"mode": "draft", "draft_digest": DRAFT, "applied": True, "how": "transformers assisted generation"}),
 ]

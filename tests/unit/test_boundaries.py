@@ -20,8 +20,8 @@ PACKAGES = ("wire", "host", "reconciler", "agent")
 MAY_IMPORT = {"wire": {"wire"}, "host": {"host"}, "reconciler": {"reconciler", "wire", "host"},
               "agent": {"agent", "wire", "host"}}
 WIRE = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "wire").rglob("*.py"))
-PURE = ["reconciler/planner.py", "reconciler/plan_weights.py", "reconciler/plan.py", "reconciler/observed.py",
-        "reconciler/model.py", "reconciler/diagnostics.py"] + WIRE
+PURE = ["reconciler/planning/planner.py", "reconciler/planning/weights.py", "reconciler/planning/plan.py", "reconciler/core/observed.py",
+        "reconciler/core/desired.py", "reconciler/core/diagnostics.py"] + WIRE
 FORBIDDEN = {"os", "subprocess", "trio", "httpx", "socket", "ssl", "select", "selectors", "threading", "time",
              "sqlite3", "shutil", "asyncio", "pathlib", "starlette", "hypercorn", "httptools", "psutil"}
 # Loaded as a side effect of the standard library (importlib.metadata pulls in socket via email),
@@ -141,6 +141,86 @@ def test_importing_wire_loads_neither_side_nor_any_io_library() -> None:
 
 
 def test_importing_the_planner_pulls_in_no_io_library() -> None:
-    loaded = loaded_by(["reconciler.planner"])
+    loaded = loaded_by(["reconciler.planning.planner"])
     assert not loaded & FORBIDDEN_LOADED, sorted(loaded & FORBIDDEN_LOADED)
     assert not in_package(loaded, "agent")
+
+
+# Inside each side, the sub-packages (and top-level modules) are layers: each may import only those
+# named here (and itself). Read off the imports, function-level and TYPE_CHECKING ones included, so
+# that no arrow runs from a lower layer back up and no two parts import each other.
+LAYERS = {
+    "reconciler": {
+        "core": set(),  # the values: desired, observed, diagnostics
+        "schemas": set(),  # fleet's JSON Schemas and the validator class
+        "fleetfile": {"core", "schemas"},
+        "agents": {"core", "schemas"},
+        "state": set(),
+        "cache": {"core", "schemas", "fleetfile"},
+        "planning": {"core"},
+        "applying": {"core", "schemas", "agents", "state", "planning"},
+        "serve": {"core", "agents", "state", "planning"},
+        "cli": {"core", "schemas", "fleetfile", "agents", "state", "cache", "planning", "applying", "serve"},
+    },
+    "agent": {
+        "auth": set(),
+        "machine": set(),
+        "weights": set(),
+        "transfer": {"weights"},
+        "backends": {"auth", "weights"},  # launch specs and the workers they start
+        "serving": {"auth", "weights", "backends"},
+        "api": {"machine", "weights", "transfer", "serving"},
+        "app": {"auth", "machine", "weights", "transfer", "serving", "backends", "api"},
+        "simulation": {"machine", "weights", "transfer", "serving", "backends", "api", "app"},
+        "arguments": set(),
+        "cli": {"auth", "machine", "weights", "transfer", "serving", "backends", "api", "app", "simulation",
+                "arguments"},
+    },
+}
+
+
+def part_of(module: str) -> str:
+    """The layer a module of ours belongs to: its sub-package or top-level module under its side."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def own_imports(path: Path) -> set[str]:
+    """Every module of our own that `path` names in an import, as absolute dotted names."""
+    name = module_name(path)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out: set[str] = set()
+    for node in ast.walk(parse(path)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = (package[:len(package) - node.level + 1] if node.level else []) + \
+                   (node.module.split(".") if node.module else [])
+            joined = ".".join(base)
+            if len(base) == 1:  # `from reconciler import x`: x is the part
+                out |= {f"{joined}.{a.name}" for a in node.names}
+            else:
+                out.add(joined)
+    return {m for m in out if m.split(".")[0] in PACKAGES}
+
+
+LAYERED = [p for side in LAYERS for p in source_files(side) if p.relative_to(ROOT).parts[1] != "__init__.py"]
+
+
+@pytest.mark.parametrize("path", LAYERED, ids=[str(p.relative_to(ROOT)) for p in LAYERED])
+def test_each_part_imports_only_the_parts_below_it(path: Path) -> None:
+    side = path.relative_to(ROOT).parts[0]
+    mine = part_of(module_name(path))
+    assert mine in LAYERS[side], f"{path.relative_to(ROOT)}: {mine!r} is not a part of {side} named in LAYERS"
+    allowed = LAYERS[side][mine] | {mine, "__version__"}
+    crossing = {m for m in own_imports(path) if m.split(".")[0] == side and part_of(m) not in allowed}
+    assert not crossing, f"{path.relative_to(ROOT)} ({side}.{mine}) imports {sorted(crossing)}; " \
+                         f"{mine} may import only {sorted(LAYERS[side][mine])}"
+
+
+@pytest.mark.parametrize("side", list(LAYERS))
+def test_each_side_holds_under_a_dozen_parts(side: str) -> None:
+    parts = {p.name.removesuffix(".py") for p in (ROOT / side).iterdir()
+             if p.name != "__init__.py" and p.name != "__pycache__" and (p.suffix == ".py" or p.is_dir())}
+    assert parts == set(LAYERS[side]), sorted(parts ^ set(LAYERS[side]))
+    assert len(parts) < 12

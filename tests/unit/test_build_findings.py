@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.environment import llama_gpu_backend, state_findings
-from reconciler.node_notes import build_warnings
-from reconciler.observed import node_from_state
+from agent.machine.environment import llama_gpu_backend, state_findings
+from reconciler.planning.notes import build_warnings
+from reconciler.core.observed import node_from_state
 
 CPU_TORCH = {"torch": {"version": "2.13.0+cpu", "build": "cpu"}, "llama_cpp": None}
 CUDA_TORCH = {"torch": {"version": "2.13.0+cu128", "build": "cuda"}, "llama_cpp": None}
@@ -47,8 +47,8 @@ def test_the_planner_warns_once_per_finding_at_the_node() -> None:
 
 
 def test_nodes_wide_shows_a_mismatch_and_the_link_rates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from reconciler import cli
-    from reconciler.state_store import StateStore
+    from reconciler.cli import main as cli
+    from reconciler.state.store import StateStore
     from tests.unit.test_tables import state
 
     s = state()

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import trio
 
-from reconciler.agent_errors import AgentProtocolError, NodeUnreachable
-from reconciler.burst import Reader, TimedOut, batchable, exchange_all
-from reconciler.model import NodeSpec
-from reconciler.transport import AgentRequest, read_response
+from reconciler.agents.errors import AgentProtocolError, NodeUnreachable
+from reconciler.agents.batch import Reader, TimedOut, batchable, exchange_all
+from reconciler.core.desired import NodeSpec
+from reconciler.agents.transport import AgentRequest, read_response
 
 NODE = NodeSpec(name="n", address="127.0.0.1", agent_port=1)
 LIVE = b'["2026-11-30T12:00:00+02:00",1,2,[3],[]]'
@@ -224,9 +224,9 @@ def test_a_batch_cancelled_before_it_began_closes_its_sockets() -> None:
 
 OUT_OF_DESCRIPTORS = """
 import os, resource, sys, trio
-from reconciler.burst import exchange_all
-from reconciler.model import NodeSpec
-from reconciler.transport import AgentRequest
+from reconciler.agents.batch import exchange_all
+from reconciler.core.desired import NodeSpec
+from reconciler.agents.transport import AgentRequest
 async def main():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))

@@ -10,8 +10,8 @@ import re
 import pytest
 
 from agent import cli as agent_cli
-from reconciler import cli as fleet_cli
-from reconciler.exitcodes import EXIT_TABLE, Exit
+from reconciler.cli import main as fleet_cli
+from reconciler.cli.exitcodes import EXIT_TABLE, Exit
 from tests.conftest import ROOT
 
 PARSERS = {"fleet": fleet_cli.build_parser, "fleet-agent": agent_cli.build_parser}

@@ -10,9 +10,9 @@ import functools
 import pytest
 import trio
 
-from reconciler.client import AgentClient, AgentError
-from reconciler.model import NodeSpec
-from reconciler.transport import MemoryTransport
+from reconciler.agents.client import AgentClient, AgentError
+from reconciler.core.desired import NodeSpec
+from reconciler.agents.transport import MemoryTransport
 from tests.unit.test_burst import read_head
 
 SECRET = "s" * 16

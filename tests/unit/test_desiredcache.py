@@ -1,4 +1,4 @@
-"""The cache of validated fleet files (reconciler/desiredcache.py): the same text is not composed and
+"""The cache of validated fleet files (reconciler/cache/desired.py): the same text is not composed and
 checked again, and what comes back is what reading it whole gives, warnings included; any other
 text, name, place or CA file is read whole; a file that did not validate, or a cache that is not
 fleet's, this user's or whole, is never trusted."""
@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import cli, config
-from reconciler import desiredcache
-from reconciler.desiredcache import IGNORED, NOT_KEPT, DesiredCache
-from reconciler.diagnostics import warning
-from reconciler.obscache import OFF_ENV
+from reconciler.cli import main as cli
+from reconciler.fleetfile import config
+from reconciler.cache import desired as desiredcache
+from reconciler.cache.desired import IGNORED, NOT_KEPT, DesiredCache
+from reconciler.core.diagnostics import warning
+from reconciler.cache.observed import OFF_ENV
 
 FLEET = """version: 1
 control_plane: {node: cp}
@@ -189,13 +190,13 @@ def test_fleet_plan_reads_a_kept_file_and_plans_the_same(tmp_path: Path, fleet: 
 # interpreter; prints the fleet modules that ran, then those the tag digests.
 LOADING = """
 import json, pathlib, sys
-from reconciler import config
+from reconciler.fleetfile import config
 d = pathlib.Path(sys.argv[1])
 for text in sys.argv[2:]:
     (d / "fleet.yaml").write_text(text)
     config.load(d / "fleet.yaml")
 ran = sorted(m for m in sys.modules if m.partition(".")[0] in ("reconciler", "wire"))
-from reconciler import desiredcache, obscache
+from reconciler.cache import desired as desiredcache, observed as obscache
 print(json.dumps([ran, list(obscache.fleet_sources(*desiredcache.CODE))]))
 """
 
@@ -212,13 +213,13 @@ def test_the_tag_covers_every_fleet_module_loading_a_file_runs(tmp_path: Path) -
 
 
 def tag_of(tree: Path) -> str:
-    proc = subprocess.run([sys.executable, "-c", "from reconciler import desiredcache; print(desiredcache.TAG.decode())"],
+    proc = subprocess.run([sys.executable, "-c", "from reconciler.cache import desired; print(desired.TAG.decode())"],
                           capture_output=True, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                           timeout=60, check=True)
     return proc.stdout
 
 
-@pytest.mark.parametrize("module", ["wire/layers.py", "wire/ids.py", "reconciler/config_checks.py"])
+@pytest.mark.parametrize("module", ["wire/layers.py", "wire/ids.py", "reconciler/fleetfile/checks.py"])
 def test_a_changed_module_that_loading_runs_changes_the_tag(tmp_path: Path, module: str) -> None:
     for part in ("reconciler", "wire", "schemas"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))

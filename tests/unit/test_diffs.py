@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from reconciler.diffs import settings_diff
+from reconciler.planning.diffs import settings_diff
 
 CASES: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
     ("equal", {"context_length": 4096}, {"context_length": 4096}, []),

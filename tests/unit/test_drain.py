@@ -10,14 +10,14 @@ from typing import Any, Collection
 import trio
 import trio.testing
 
-from reconciler.agent_errors import AgentHTTPError
-from reconciler.drain import Drainer
-from reconciler.execute import Executor
-from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
-from reconciler.plan import Action, Change, Plan
+from reconciler.agents.errors import AgentHTTPError
+from reconciler.applying.drain import Drainer
+from reconciler.applying.execute import Executor
+from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+from reconciler.planning.plan import Action, Change, Plan
 from reconciler.serve.drains import DrainWatcher
 from reconciler.serve.heartbeat import View
-from reconciler.state_store import Drain, StateStore
+from reconciler.state.store import Drain, StateStore
 from tests.unit.test_execute import FakeClient
 
 SID = "chat@a"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.environment import cache_dirs, variant_findings, writable
+from agent.machine.environment import cache_dirs, variant_findings, writable
 
 CPU_TORCH = {"torch": {"version": "2.13.0+cpu", "build": "cpu"}, "llama_cpp": "0.3.16", "transformers": "4.57"}
 CUDA_TORCH = {"torch": {"version": "2.13.0+cu128", "build": "cuda"}, "llama_cpp": "0.3.16", "transformers": "4.57"}

@@ -9,11 +9,11 @@ import pytest
 import trio
 import trio.testing
 
-from reconciler.agent_errors import AgentError, AgentHTTPError, NodeAuthRejected, NodeUnreachable
-from reconciler.execute import RETRIES, ActionFailed, Executor, Result
-from reconciler.model import ControlPlaneSpec, Desired, NodeSpec
-from reconciler.plan import Action, Change, Plan
-from reconciler.render import result_line
+from reconciler.agents.errors import AgentError, AgentHTTPError, NodeAuthRejected, NodeUnreachable
+from reconciler.applying.execute import RETRIES, ActionFailed, Executor, Result
+from reconciler.core.desired import ControlPlaneSpec, Desired, NodeSpec
+from reconciler.planning.plan import Action, Change, Plan
+from reconciler.cli.render import result_line
 
 DIGEST = "sha256:" + "ab" * 32
 

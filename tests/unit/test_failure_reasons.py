@@ -7,8 +7,8 @@ import re
 
 from hypothesis import given, strategies as st
 
-from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
-from reconciler.observed import node_from_state
+from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+from reconciler.core.observed import node_from_state
 from reconciler.serve.heartbeat import View
 from reconciler.serve.router import Router
 from reconciler.serve.scrub import scrub_reason

@@ -1,6 +1,6 @@
-"""Fan-out in chains (reconciler/fanout.py): one chain per holder, every receiver once, nobody's
+"""Fan-out in chains (reconciler/planning/fanout.py): one chain per holder, every receiver once, nobody's
 uplink sending twice; the executor starts a chained fetch as soon as its peer's fetch is accepted
-(reconciler/execute.py), not when it is done, and skips it if that fetch was refused."""
+(reconciler/applying/execute.py), not when it is done, and skips it if that fetch was refused."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import trio
 import trio.testing
 
-from reconciler.agent_errors import AgentHTTPError
-from reconciler.execute import Executor
-from reconciler.fanout import Source, chains, spread
-from reconciler.model import NodeSpec
-from reconciler.plan import Action, Change, Plan
+from reconciler.agents.errors import AgentHTTPError
+from reconciler.applying.execute import Executor
+from reconciler.planning.fanout import Source, chains, spread
+from reconciler.core.desired import NodeSpec
+from reconciler.planning.plan import Action, Change, Plan
 from tests.unit.test_execute import DIGEST, FakeClient, desired
 
 

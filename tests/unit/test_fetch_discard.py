@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from agent.fetch import Fetcher, Job
-from agent.store import Store
+from agent.transfer.fetch import Fetcher, Job
+from agent.weights.store import Store
 
 
 def fetcher(tmp_path: Path) -> Fetcher:

@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import pytest
 
-from agent.app import Generations, generation
+from agent.api.context import Generations, generation
 from wire.state import AgentState
 
 STATE: dict[str, Any] = {

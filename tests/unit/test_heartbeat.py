@@ -10,10 +10,10 @@ from typing import Any
 import trio
 import trio.testing
 
-from reconciler.model import DEFAULT_STARTUP_TIMEOUT_S, ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
-from reconciler.observed import Observed, ObservedNode, node_from_state
+from reconciler.core.desired import DEFAULT_STARTUP_TIMEOUT_S, ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+from reconciler.core.observed import Observed, ObservedNode, node_from_state
 from reconciler.serve.heartbeat import Heartbeat
-from reconciler.state_store import StateStore
+from reconciler.state.store import StateStore
 
 DIGEST = "sha256:" + "1" * 64
 

@@ -1,5 +1,5 @@
 """What a command pays for before it does anything: a warm `fleet plan` (its fleet file validated
-before, reconciler/desiredcache.py) under --json loads no YAML parser, no JSON Schema validator, no
+before, reconciler/cache/desired.py) under --json loads no YAML parser, no JSON Schema validator, no
 rich and no httpx. A module that imports one of them at its top again (0.1-0.2 s of CPU on every
 plan, `python -X importtime`) fails here; a file that changed is parsed and checked as before."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.exitcodes import Exit
+from reconciler.cli.exitcodes import Exit
 from tests.conftest import fleet_bin
 
 FLEET = """version: 1
@@ -33,7 +33,7 @@ PARSE = {"yaml", "fastjsonschema"}  # what reading a fleet file whole needs (jso
 PLANS = """
 import json, sys
 from pathlib import Path
-from reconciler import cli
+from reconciler.cli import main as cli
 
 fleet, snapshot, out = sys.argv[1:]
 

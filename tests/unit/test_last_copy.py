@@ -1,4 +1,4 @@
-"""The fleet's last copy of a digest (reconciler/plan_order.py's guard), said in words: the plan
+"""The fleet's last copy of a digest (reconciler/planning/order.py's guard), said in words: the plan
 error names node, digest and both ways out; the opted-in delete is loud in its reason, its details
 and a warning; the opt-in is checked like the rest of fleet.yaml. The golden cases last-copy-* and
 delete-* hold the plans themselves; tests/integration/test_last_copy.py runs them on real agents."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reconciler import config
-from reconciler.plan import Plan
+from reconciler.fleetfile import config
+from reconciler.planning.plan import Plan
 from tests.golden import CASES, run_case
 
 FOREIGN = "sha256:" + "9" * 64

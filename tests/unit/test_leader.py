@@ -9,11 +9,11 @@ from typing import Collection
 
 import trio
 
-from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec, Settings
-from reconciler.observed import Observed, ObservedNode, ObservedServer
+from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec, Settings
+from reconciler.core.observed import Observed, ObservedNode, ObservedServer
 from reconciler.serve.heartbeat import Heartbeat, View
 from reconciler.serve.leader import Follower, Roles
-from reconciler.state_store import StateStore
+from reconciler.state.store import StateStore
 
 DIGEST = "sha256:" + "a" * 64
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 from starlette.types import Receive, Scope, Send
 
-from agent.backends.llama_cpp_worker import Edges, UsageTap, error_for, library_check, rewrite_error
+from agent.backends.llama_cpp.worker import Edges, UsageTap, error_for, library_check, rewrite_error
 
 CHUNK = {"id": "chatcmpl-1", "model": "m", "created": 7, "object": "chat.completion.chunk"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load
 
-from agent.store import Store
+from agent.weights.store import Store
 from tests.models import tiny_safetensors
 from wire import manifest as mf
 from wire.layers import LayerRange
@@ -102,7 +102,7 @@ def test_digest_checks() -> None:
 
 
 def test_import_refuses_what_is_not_a_model(tmp_path: Path) -> None:
-    from agent.store import StoreError
+    from agent.weights.store import StoreError
 
     store = Store(tmp_path / "home")
     (tmp_path / "not.gguf").write_bytes(b"PK\x03\x04zip")

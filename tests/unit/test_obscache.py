@@ -1,4 +1,4 @@
-"""The cache of observed states (reconciler/obscache.py) and the 304 that confirms one: an agent app
+"""The cache of observed states (reconciler/cache/observed.py) and the 304 that confirms one: an agent app
 in process (its real routes, an injected clock, simulated GPUs in a file) answered through the
 client's own reader; the cache file read and written on disk, whole, damaged and foreign."""
 
@@ -14,16 +14,16 @@ import pytest
 import trio
 
 from agent.app import assemble, create_app
-from agent.identity import Identity
-from agent.inventory import SimulatedGpus
-from agent.launch import ProcessLauncher
-from reconciler import obscache
-from reconciler.client import AgentClient
-from reconciler.model import ControlPlaneSpec, Desired, NodeSpec
-from reconciler.obscache import ObservationCache
-from reconciler.observe import observe
-from reconciler.observed import Observed, ObservedNode, node_from_state
-from reconciler.transport import Answer, MemoryTransport, asgi
+from agent.machine.identity import Identity
+from agent.machine.inventory import SimulatedGpus
+from agent.backends.launch import ProcessLauncher
+from reconciler.cache import observed as obscache
+from reconciler.agents.client import AgentClient
+from reconciler.core.desired import ControlPlaneSpec, Desired, NodeSpec
+from reconciler.cache.observed import ObservationCache
+from reconciler.agents.observe import observe
+from reconciler.core.observed import Observed, ObservedNode, node_from_state
+from reconciler.agents.transport import Answer, MemoryTransport, asgi
 from wire import live
 
 SECRET = "s" * 16
@@ -252,7 +252,7 @@ def changed(state: dict[str, Any], path: tuple[Any, ...], by: int = 1) -> dict[s
 def test_any_change_but_the_moving_values_is_another_generation(path: tuple[Any, ...]) -> None:
     """What a 304 spares the control plane is exactly what wire/live.py brings: every other field
     of the state, changed, names another generation (agent/app.generation, as GET /v1/state uses it)."""
-    from agent.app import STEP, generation
+    from agent.api.context import STEP, generation
 
     if path in MOVING:
         assert generation(changed(RICH, path)) == generation(RICH)  # type: ignore[arg-type]
@@ -268,7 +268,7 @@ def test_any_change_but_the_moving_values_is_another_generation(path: tuple[Any,
 
 
 def test_a_server_or_a_model_more_or_less_is_another_generation() -> None:
-    from agent.app import generation
+    from agent.api.context import generation
 
     for key in ("weights", "fetches", "servers", "link_rates"):
         fewer = {**RICH, key: []}

@@ -1,4 +1,4 @@
-"""The cache file of observed states (reconciler/obscache.py) where it is not what fleet wrote: a
+"""The cache file of observed states (reconciler/cache/observed.py) where it is not what fleet wrote: a
 version or schema of another fleet's, states that do not parse, a link or a FIFO in its place, a
 directory others may write in, a temporary file a killed run left. Each is ignored with a warning
 that carries a stable code, or written past; none hangs or crashes a plan."""
@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
-from reconciler import __version__, obscache
-from reconciler.model import ControlPlaneSpec, Desired, NodeSpec
-from reconciler.obscache import ObservationCache
-from reconciler.observed import Observed, fingerprint, node_fields, node_from_state
-from reconciler.schema import schema_path
+from reconciler import __version__
+from reconciler.cache import observed as obscache
+from reconciler.core.desired import ControlPlaneSpec, Desired, NodeSpec
+from reconciler.cache.observed import ObservationCache
+from reconciler.core.observed import Observed, fingerprint, node_fields, node_from_state
+from reconciler.schemas import schema_path
 
 NODE = NodeSpec(name="n", address="127.0.0.1", agent_port=7070)
 DESIRED = Desired(1, ControlPlaneSpec("n"), {"n": NODE}, {}, (), {})
@@ -95,22 +96,22 @@ def test_a_write_sweeps_what_killed_runs_left_of_its_own_writes_only(tmp_path: P
 
 
 def tag_of(tree: Path) -> str:
-    proc = subprocess.run([sys.executable, "-c", "from reconciler import obscache; print(obscache.TAG.decode())"],
+    proc = subprocess.run([sys.executable, "-c", "from reconciler.cache import observed; print(observed.TAG.decode())"],
                           capture_output=True, text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                           timeout=60, check=True)
     return proc.stdout
 
 
 @pytest.mark.parametrize("change", [
-    ("reconciler/observed.py", '"sha256:" + hashlib', '"sha256:" + "0" + hashlib'),  # another fingerprint
-    ("reconciler/observed.py", 'integrity.get("state") == "corrupt"', 'integrity.get("state") == "bad"'),
+    ("reconciler/core/observed.py", '"sha256:" + hashlib', '"sha256:" + "0" + hashlib'),  # another fingerprint
+    ("reconciler/core/observed.py", 'integrity.get("state") == "corrupt"', 'integrity.get("state") == "bad"'),
     ("wire/live.py", "", "# changed\n"),
 ], ids=["fingerprint", "corrupt", "live"])
 def test_the_code_that_derives_the_kept_fields_is_in_the_tag(tmp_path: Path, change: tuple[str, str, str]) -> None:
     # A fleet of the same version whose observed.py derives a node's fields otherwise must not read
     # them: its fingerprints and corruption would be this code's, not its own.
     for part in ("reconciler", "wire", "schemas"):
-        shutil.copytree(Path(obscache.__file__).parents[1] / part, tmp_path / part,
+        shutil.copytree(Path(obscache.__file__).parents[2] / part, tmp_path / part,
                         ignore=shutil.ignore_patterns("__pycache__"))
     before = tag_of(tmp_path)
     module, old, new = change

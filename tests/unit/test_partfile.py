@@ -1,4 +1,4 @@
-"""A fetch's partial file (agent/partfile.py): the hash thread beside the receiver ends with the
+"""A fetch's partial file (agent/transfer/partfile.py): the hash thread beside the receiver ends with the
 fetch, cancelled or not, and a receiving thread left running by a cancel stops taking; a file is
 checked by its prefix digests (or, in a manifest written before them, its pieces' own hashes): a
 corrupt piece is discarded and named, a resume re-checks what is held and goes on from there."""
@@ -18,8 +18,8 @@ from typing import Any, Callable
 import pytest
 import trio
 
-from agent.forward import Partial
-from agent.partfile import Beside, FetchError, LocalWrite, Signal, Take, write_pieced
+from agent.transfer.forward import Partial
+from agent.transfer.partfile import Beside, FetchError, LocalWrite, Signal, Take, write_pieced
 from wire import pieces
 
 PIECE = pieces.MIN_PIECE
@@ -65,7 +65,7 @@ def hashing_threads() -> list[threading.Thread]:
 
 def test_a_cancelled_fetch_leaves_no_hashing_thread_and_its_abandoned_receiver_stops(tmp_path: Path) -> None:
     # The receiver feeds blocks from a worker thread that trio abandons on a cancel, as
-    # agent/peerhttp.py's does; before, the cancel also cancelled the hashing thread's close, which
+    # agent/transfer/peerhttp.py's does; before, the cancel also cancelled the hashing thread's close, which
     # then waited for a block forever (one thread per cancelled fetch), and the receiver went on.
     # Here it cancels the fetch after its first block, waits until the fetch has ended the hashing
     # thread, then offers the next block, which must be refused.

@@ -1,4 +1,4 @@
-"""A peer fetch's TLS handshake that fails (agent/peerhttp.py): final only when asking again meets
+"""A peer fetch's TLS handshake that fails (agent/transfer/peerhttp.py): final only when asking again meets
 the same answer (the certificate, a peer that does not speak TLS); a peer that reads the hello and
 closes (restarting, overloaded) leaves the fetch resumable. Real peers on loopback."""
 
@@ -10,7 +10,7 @@ from typing import Callable
 import pytest
 import trio
 
-from agent.peerhttp import PeerError, get_bytes
+from agent.transfer.peerhttp import PeerError, get_bytes
 
 
 def hangs_up(conn: socket.socket) -> None:

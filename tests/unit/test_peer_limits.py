@@ -1,4 +1,4 @@
-"""A peer fetch holds its upstream to bounds (agent/peerhttp.py): a peer that takes the request and
+"""A peer fetch holds its upstream to bounds (agent/transfer/peerhttp.py): a peer that takes the request and
 says nothing, drips its head, stalls or drips its body (small bodies on the event loop, bulk ones in
 a thread) is given up on within the fetch's patience, resumable; a body other than the bytes asked
 for (longer, or another range) is refused before a byte of it is handed on. A hostile peer on
@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import pytest
 import trio
 
-from agent.peerhttp import BULK, PeerError, get
+from agent.transfer.peerhttp import BULK, PeerError, get
 from wire.floor import FLOOR_BYTES
 
 PATIENCE = 0.5

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from reconciler.commands import plan_json
-from reconciler.diagnostics import warning
-from reconciler.plan import Action, Change, Plan
-from reconciler.schema import load_schema
+from reconciler.cli.commands import plan_json
+from reconciler.core.diagnostics import warning
+from reconciler.planning.plan import Action, Change, Plan
+from reconciler.schemas import load_schema
 from tests.golden import CASES, run_case
 
 CASE_DIRS = sorted(p for p in CASES.iterdir() if (p / "fleet.yaml").exists())

@@ -1,4 +1,4 @@
-"""A saved plan file checked before it runs (reconciler/planfile.py): every plan the planner makes
+"""A saved plan file checked before it runs (reconciler/applying/planfile.py): every plan the planner makes
 passes its schema and its checks and equals itself, and each kind of edited file is named by code
 and JSON path; the real `fleet apply` on these is tests/integration/test_saved_plan.py."""
 
@@ -11,8 +11,9 @@ from typing import Any, Callable
 
 import pytest
 
-from reconciler import config, planfile
-from reconciler.plan import Plan
+from reconciler.fleetfile import config
+from reconciler.applying import planfile
+from reconciler.planning.plan import Plan
 from tests.golden import CASES, run_case
 
 ALL = sorted(p for p in CASES.iterdir() if (p / "fleet.yaml").exists())
@@ -73,7 +74,7 @@ def test_a_cycle_is_named_change_by_change() -> None:
     data = saved()
     data["changes"][0]["depends_on"].append(data["changes"][-1]["address"])
     [diag] = planfile.check(data, NODES)
-    # gpu-b's copy is chained from gpu-a's (reconciler/fanout.py), the shortest way back
+    # gpu-b's copy is chained from gpu-a's (reconciler/planning/fanout.py), the shortest way back
     assert diag.summary.endswith("replica.llama@gpu-a → server.chat@gpu-b → replica.llama@gpu-b → replica.llama@gpu-a")
 
 

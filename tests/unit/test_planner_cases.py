@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from reconciler.render import pipeline_line
+from reconciler.cli.render import pipeline_line
 from tests.golden import CASES, render_lines, run_case
 
 ALL = sorted(p for p in CASES.iterdir() if (p / "fleet.yaml").exists())
@@ -49,7 +49,7 @@ def test_planner_is_deterministic() -> None:
 def test_the_plan_text_names_each_pipeline_group_once_above_its_stages() -> None:
     from rich.console import Console
 
-    from reconciler.render import print_plan
+    from reconciler.cli.render import print_plan
 
     out = Console(record=True, width=250, color_system=None)
     print_plan(out, run_case(CASES / "pipeline-stage-failed"))
@@ -67,9 +67,9 @@ def test_a_pipeline_short_of_the_models_last_layer_is_refused_at_plan_time() -> 
     manifest the source reports."""
     from dataclasses import replace
 
-    from reconciler import config
-    from reconciler.observed import from_snapshot
-    from reconciler.planner import plan
+    from reconciler.fleetfile import config
+    from reconciler.core.observed import from_snapshot
+    from reconciler.planning.planner import plan
     from tests.golden import snapshot
 
     case = CASES / "pipeline-new-two-stages"

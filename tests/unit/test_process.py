@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent.store import Store
+from agent.weights.store import Store
 from host.process import alive
 
 

@@ -7,9 +7,9 @@ import io
 
 from rich.console import Console
 
-from reconciler.execute import Result
-from reconciler.plan import Action, Change
-from reconciler.progress import ApplyProgress
+from reconciler.applying.execute import Result
+from reconciler.planning.plan import Action, Change
+from reconciler.applying.progress import ApplyProgress
 
 REPLICATE = Change(Action.REPLICATE, "replica.tiny@a", "a", "a holds no replica of tiny", (),
                    {"digest": "sha256:" + "ab" * 32, "peer": "cp", "bytes": 4_000_000, "model": "tiny"})

@@ -1,11 +1,11 @@
-"""agent/rates.py: recent fetch rates per peer, bounded, kept across restarts, never fatal."""
+"""agent/transfer/rates.py: recent fetch rates per peer, bounded, kept across restarts, never fatal."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
 
-from agent.rates import MIN_BYTES, Rates, peer_key
+from agent.transfer.rates import MIN_BYTES, Rates, peer_key
 
 MB = 1_000_000
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from jsonschema import Draft202012Validator
 import json
 
-from reconciler.node_notes import receive_lines
-from reconciler.plan import Plan
+from reconciler.planning.notes import receive_lines
+from reconciler.planning.plan import Plan
 from tests.golden import run_case
 
 CASES = Path(__file__).parent.parent / "cases"

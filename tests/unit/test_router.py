@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
-from reconciler.observed import node_from_state
+from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
+from reconciler.core.observed import node_from_state
 from reconciler.serve.heartbeat import View
 from reconciler.serve.router import RENEW_EVERY_S, Router
 

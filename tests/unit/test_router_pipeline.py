@@ -16,12 +16,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from reconciler.model import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec, PipelineSpec
-from reconciler.observed import Observed, node_from_state
+from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec, PipelineSpec
+from reconciler.core.observed import Observed, node_from_state
 from reconciler.serve.heartbeat import Heartbeat, View
 from reconciler.serve.router import Router
-from reconciler.state_store import StateStore
-from reconciler.tables import cmd_nodes
+from reconciler.state.store import StateStore
+from reconciler.cli.tables import cmd_nodes
 
 DIGEST = "sha256:" + "1" * 64
 SLICES = {"a": "sha256:" + "a" * 64, "b": "sha256:" + "b" * 64, "c": "sha256:" + "c" * 64}

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 from jsonschema import Draft202012Validator
 
-from reconciler.schema import load_schema
+from reconciler.schemas import load_schema
 from tests.conftest import ROOT
 
 SCHEMA = ROOT / "schemas" / "fleet.schema.json"

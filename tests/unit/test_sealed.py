@@ -1,4 +1,4 @@
-"""The sealed file format (agent/sealed.py): round trips at every size around the chunk boundaries,
+"""The sealed file format (agent/weights/sealed.py): round trips at every size around the chunk boundaries,
 and every way to alter a sealed file (a flipped byte, a cut, reordered or swapped chunks, another
 file's or another key's chunks) found by the cipher; and where the key comes from."""
 
@@ -13,8 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.sealed import (HEADER, KEY_ENV, KEY_FILE_ENV, MAX_KEY_FILE, TAG_BYTES, Key, KeyProblem, Unsealable, load_key,
-                          make_key, parse_key, seal_bytes, unseal)
+from agent.weights.sealed import HEADER, KEY_ENV, KEY_FILE_ENV, MAX_KEY_FILE, TAG_BYTES, Key, KeyProblem, Unsealable, load_key, make_key, parse_key, seal_bytes, unseal
 
 KEY = make_key(bytes(range(32)))
 OTHER = make_key(bytes(range(1, 33)))

@@ -1,4 +1,4 @@
-"""agent/simhttp.py, the simulated agents' HTTP server, on real loopback sockets: answers whole and
+"""agent/simulation/simhttp.py, the simulated agents' HTTP server, on real loopback sockets: answers whole and
 in order, and no trip through trio's epoll for a request already in the socket when its
 connection is accepted (every connection of a scale bench's agents), nor to accept connections
 already waiting. Counted with a trio instrument: the steps each server task takes."""
@@ -12,7 +12,7 @@ import trio
 import trio.lowlevel
 from starlette.types import Receive, Scope, Send
 
-from agent import simhttp
+from agent.simulation import simhttp
 
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:

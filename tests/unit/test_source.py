@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import cli, config
-from reconciler.source import MAX_BYTES, parse
+from reconciler.cli import main as cli
+from reconciler.fleetfile import config
+from reconciler.fleetfile.source import MAX_BYTES, parse
 from wire import manifest as mf
 
 MINIMAL = "version: 1\ncontrol_plane: {node: cp}\nnodes:\n  cp: {address: 127.0.0.1}\n"

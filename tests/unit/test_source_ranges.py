@@ -6,9 +6,9 @@ import gc
 
 import pytest
 
-from reconciler import config
-from reconciler.observe import kept_to_the_end
-from reconciler.source import Document, parse
+from reconciler.fleetfile import config
+from reconciler.agents.observe import kept_to_the_end
+from reconciler.fleetfile.source import Document, parse
 
 TRICKY = """\
 base: &base {agent_port: 7071, labels: [a, b]}

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from reconciler import cli
-from reconciler.state_store import StateStore
+from reconciler.cli import main as cli
+from reconciler.state.store import StateStore
 from tests.unit.test_client import GOOD
 
 DIGEST = "sha256:" + "ab" * 32

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.arguments import build_parser
+from reconciler.cli.arguments import build_parser
 from wire.command_line import UsageError
 
 
@@ -38,7 +38,7 @@ def test_observe_with_no_timeout_waits_for_an_agent_that_never_answers(tmp_path:
         fleet.write_text("version: 1\ncontrol_plane: {node: a}\nnodes:\n"
                          f"  a: {{address: 127.0.0.1, agent_port: {lst.getsockname()[1]}}}\n")
         env = {**os.environ, "FLEET_CLUSTER_SECRET": "s" * 16, "FLEET_OBSERVE_CACHE": "off"}
-        proc = subprocess.Popen([sys.executable, "-c", "import sys; from reconciler.cli import main; sys.exit(main())",
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; from reconciler.cli.main import main; sys.exit(main())",
                                  "observe", "-f", str(fleet), "--timeout", "inf"], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 cwd=Path(__file__).parents[2])

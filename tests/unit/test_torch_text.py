@@ -1,4 +1,4 @@
-"""Streamed text from token ids (agent/backends/torch_text.py), checked at every cut: whatever way
+"""Streamed text from token ids (agent/backends/torch/text.py), checked at every cut: whatever way
 the tokens arrive, the pieces add up to the whole decode, and no byte of a stop string goes out."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.backends.torch_text import Text
+from agent.backends.torch.text import Text
 from tests.models import tiny_safetensors
 
 TOKENIZER: Any = None

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from reconciler.model import NodeSpec
-from reconciler.transport import AgentRequest, SocketTransport
+from reconciler.core.desired import NodeSpec
+from reconciler.agents.transport import AgentRequest, SocketTransport
 
 
 def test_a_ca_file_gone_at_call_time_leaves_no_socket_open(tmp_path: Path) -> None:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import cli, config
-from reconciler.model import PipelineSpec
+from reconciler.cli import main as cli
+from reconciler.fleetfile import config
+from reconciler.core.desired import PipelineSpec
 from tests.conftest import ROOT, run_cli
 
 BROKEN = sorted((ROOT / "examples" / "broken").glob("*.yaml"))

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import fastjsonschema
 
-from reconciler import cli, config, schema
+from reconciler.cli import main as cli
+from reconciler.fleetfile import config, schema
 from tests.conftest import ROOT
 
 EXAMPLE_TEXT = (ROOT / "fleet.yaml.example").read_text()

@@ -9,12 +9,12 @@ import pytest
 import trio
 
 from agent.app import assemble, create_app
-from agent.identity import Identity
-from agent.inventory import NoGpus
-from agent.launch import ProcessLauncher
-from reconciler.client import AgentClient
-from reconciler.model import NodeSpec
-from reconciler.transport import MemoryTransport, asgi
+from agent.machine.identity import Identity
+from agent.machine.inventory import NoGpus
+from agent.backends.launch import ProcessLauncher
+from reconciler.agents.client import AgentClient
+from reconciler.core.desired import NodeSpec
+from reconciler.agents.transport import MemoryTransport, asgi
 from wire.windows import Window, status
 
 TZ = timezone(timedelta(hours=2))

@@ -1,0 +1,1 @@
+"""llama.cpp for GGUF: the launch spec (`spec`) and the worker (`worker`)."""

@@ -1,0 +1,38 @@
+"""The PyTorch launch spec: safetensors models served by agent.backends.torch.worker (transformers)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from agent.backends.launch import BadSettings, Command, LaunchSpec, ModelPath
+
+
+def command(path: str, host: str, port: int, s: dict[str, Any], paths: ModelPath) -> Command:
+    argv = [sys.executable, "-m", "agent.backends.torch.worker", "--model", path, "--host", host,
+            "--port", str(port)]
+    if s.get("served_name"):  # what /v1/models and every answer's `model` say: the cluster, not a path
+        argv += ["--served-name", str(s["served_name"])]
+    if s.get("context_length"):
+        argv += ["--context-length", str(s["context_length"])]
+    if s.get("threads"):
+        argv += ["--threads", str(s["threads"])]
+    if isinstance(s.get("tensor_parallel"), int) and s["tensor_parallel"] > 0:
+        argv += ["--device", "cuda"]  # the plan gave it GPUs: a build that cannot use them fails, not runs slow
+    spec = s.get("speculative")
+    speculative = None
+    if spec:
+        if spec.get("mode") == "prompt_lookup":
+            argv += ["--prompt-lookup", str(spec.get("tokens") or 10)]
+            speculative = {**spec, "applied": True, "how": "transformers prompt-lookup decoding"}
+        else:
+            draft_digest = spec.get("draft_digest")
+            if not isinstance(draft_digest, str):
+                raise BadSettings("speculative draft needs draft_digest: the draft model's digest")
+            argv += ["--draft", paths(draft_digest, "draft model")]
+            speculative = {**spec, "applied": True, "how": "transformers assisted generation"}
+    return Command(tuple(argv), speculative)
+
+
+SPEC = LaunchSpec(name="torch", format="safetensors", modules=("torch", "transformers"), extra="torch",
+                  health="/health", command=command)

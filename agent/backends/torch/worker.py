@@ -1,0 +1,310 @@
+"""Our own OpenAI-compatible worker for safetensors models on PyTorch/transformers: HTTP in front of
+the batched engine (agent/backends/torch/engine.py).
+
+`transformers serve` fits the plain case but takes no draft model (assisted generation), no
+context length and no thread count, and will not serve a layer slice; this worker does, in one
+process per server, with the same wire format (SSE chunks ending in `data: [DONE]`).
+
+    python -m agent.backends.torch.worker --model DIR --host H --port P [--threads N]
+        [--context-length N] [--draft DIR] [--prompt-lookup N] [--dtype D] [--max-batch N] [--prefix-cache N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, AsyncIterator, Mapping, Protocol
+
+import trio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from agent.auth import worker_guard
+from agent.weights.sealed import guard_worker, held_memfds
+from agent.backends import openai_wire as wire
+from agent.backends.torch.engine import End, Engine, Job, Outbox, Params, speculative
+from agent.backends.torch.prefix import PREFIX_TOKENS
+from agent.backends.torch.text import Text
+
+STREAM_BUFFER = 64  # tokens a reader may fall behind before its request waits for it
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class Scheduler(Protocol):
+    """What the HTTP layer asks of the engine behind it: this worker's batched engine, or the
+    scheduler of a pipeline's first stage (agent/backends/pipeline/engine.py)."""
+
+    def submit(self, job: Job) -> None: ...
+
+    def coming(self, n: int) -> None: ...
+
+    def kick(self) -> None: ...
+
+    def stats(self) -> Mapping[str, float]: ...
+
+
+class Served:
+    """The model behind the worker: tokenizer, limits, and the engine that runs requests."""
+
+    engine: Scheduler
+
+    def __init__(self, model_dir: str, threads: int | None = None, context_length: int | None = None,
+                 draft: str | None = None, prompt_lookup: int | None = None, dtype: str = "auto",
+                 max_batch: int = 16, stream_buffer: int = STREAM_BUFFER, device: str = "auto",
+                 prefix_cache: int = PREFIX_TOKENS) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from agent.backends.torch.layers import Stack, Unsupported
+
+        if threads:
+            torch.set_num_threads(threads)
+        if device == "cuda" and not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise SystemExit(f"wrong engine build: this server was given GPUs (tensor_parallel), but torch "
+                             f"{torch.__version__} is {build} and sees no CUDA device. Install a CUDA build "
+                             "of torch matching the driver (pip install torch --index-url "
+                             "https://download.pytorch.org/whl/cu128), or set no tensor_parallel to serve on the CPU")
+        self.device = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+        # CPUs without bfloat16 arithmetic run a bf16 model several times slower than in float32.
+        chosen = "float32" if dtype == "auto" and self.device.type == "cpu" else dtype
+        kwargs: dict[str, Any] = {"local_files_only": True, "dtype": "auto" if chosen == "auto" else getattr(torch, chosen)}
+        self.name = model_dir  # like llama.cpp, the engine names the model by its path
+        self.created = int(time.time())
+        self.stream_buffer = stream_buffer
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True, **kwargs)
+        model, info = loaded
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:
+            # transformers would fill these with random values and serve garbage without a word.
+            raise SystemExit(f"{model_dir}: the weights lack {len(missing)} tensor(s) the model needs: "
+                             + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
+        self.model = model.to(self.device).eval()
+        try:
+            stack = Stack(self.model)
+        except Unsupported as exc:  # said in one line, as a load failure is (the agent keeps it as the reason)
+            raise SystemExit(f"{model_dir}: {exc}") from None
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        self.context_length = min(context_length or limit or 2048, limit or context_length or 2048,
+                                  stack.window or sys.maxsize)
+        eos = {int(t) for t in _ids(self.model.generation_config.eos_token_id)} | {
+            int(t) for t in _ids(self.tokenizer.eos_token_id)}
+        solo = None
+        if draft or prompt_lookup:
+            draft_model: Any = None
+            if draft:
+                draft_model = AutoModelForCausalLM.from_pretrained(draft, **kwargs)
+                draft_model = draft_model.to(self.device).eval()
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=None)
+            solo = speculative(self.model, self.device, pad, draft_model, None if draft else prompt_lookup)
+        engine = Engine(stack, eos, max_batch=max_batch, solo=solo, threads=threads, prefix_tokens=prefix_cache)
+        engine.start()
+        self.engine = engine
+
+    def tokens(self, ask: wire.Ask) -> list[int]:
+        if not ask.chat:
+            return list(self.tokenizer(ask.prompt)["input_ids"])
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise wire.BadRequest("this model has no chat template; use /v1/completions with a prompt", "messages",
+                                  "no_chat_template")
+        messages = [{"role": role, "content": text} for role, text in ask.messages]
+        try:
+            ids: Any = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # the template's own checks (roles, order) raise jinja errors
+            raise wire.BadRequest(f"the model's chat template refused the messages: {exc}", "messages") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def job(self, ask: wire.Ask, ids: list[int]) -> Job:
+        room = self.context_length - len(ids)
+        if room <= 0:
+            raise wire.BadRequest(f"This model's maximum context length is {self.context_length} tokens; the "
+                                  f"{'messages' if ask.chat else 'prompt'} came to {len(ids)} tokens. Shorten it.",
+                                  "messages" if ask.chat else "prompt", "context_length_exceeded")
+        s = ask.sampling
+        params = Params(max_new=min(s.max_tokens or room, room), temperature=s.temperature, top_p=s.top_p,
+                        seed=s.seed)
+        token = trio.lowlevel.current_trio_token()
+        return Job(ids, params, Outbox(self.stream_buffer, token.run_sync_soon, self.engine.kick))
+
+
+def _ids(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+async def _pieces(job: Job, text: Text) -> AsyncIterator[tuple[str, End | None]]:
+    """The request's text as it comes, then its end (a stop string ends it early: the engine is told)."""
+    while True:
+        tokens, end = await job.outbox.get()
+        piece, stopped = text.add(tokens)
+        if stopped:
+            job.cancel()
+            yield piece, End("stop", text.count)
+            return
+        if end is not None:
+            yield piece + text.flush(), End(end.reason, max(end.completion_tokens, text.count), end.error, end.code)
+            return
+        if piece:
+            yield piece, None
+
+
+def _error_response(status: int, message: str, code: str | None, type: str = "invalid_request_error",
+                    param: str | None = None) -> JSONResponse:
+    return JSONResponse(wire.error(message, type, param, code), status_code=status)
+
+
+def create_app(served: Served) -> Starlette:
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": "ok", "engine": served.engine.stats()})
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [wire.model_entry(served.name, served.created)]})
+
+    async def model(request: Request) -> Response:
+        wanted = request.path_params["model_id"]
+        if wanted not in (served.name, served.name.lstrip("/")):
+            return _error_response(404, f"The model '{wanted}' does not exist", "model_not_found", param="model")
+        return JSONResponse(wire.model_entry(served.name, served.created))
+
+    async def run(request: Request, chat: bool) -> Response:
+        served.engine.coming(1)  # an idle engine waits for a request on its way: a burst prefills together
+        try:
+            ask = wire.parse(await request.body(), chat)
+            job = served.job(ask, served.tokens(ask))
+            served.engine.submit(job)
+        except wire.BadRequest as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        finally:
+            served.engine.coming(-1)
+        cid, created = wire.new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+        text = Text(served.tokenizer, ask.sampling.stop)
+        if not ask.stream:
+            return await _whole(request, job, text, cid, created, chat)
+        chunks = wire.Chunks(cid, created, served.name, chat, ask.include_usage)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                if chat:
+                    yield wire.sse(chunks.role())
+                async for piece, end in _pieces(job, text):
+                    if end is not None and end.reason == "error":
+                        yield wire.sse(wire.error(end.error or "the engine failed", "server_error", None, end.code))
+                        yield wire.DONE
+                        return
+                    if piece:
+                        yield wire.sse(chunks.delta(piece))
+                    if end is not None:
+                        yield wire.sse(chunks.delta("", end.reason))
+                        if ask.include_usage:
+                            yield wire.sse(chunks.usage(len(job.prompt), end.completion_tokens))
+                yield wire.DONE
+            finally:
+                job.cancel()  # the client left, or we are done: either way the engine drops the row
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _whole(request: Request, job: Job, text: Text, cid: str, created: int, chat: bool) -> Response:
+        parts: list[str] = []
+        ended: End | None = None
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:  # a client that hangs up frees the row even without a stream
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                job.cancel()
+            nursery.start_soon(watch)
+            async for piece, end in _pieces(job, text):
+                parts.append(piece)
+                ended = end
+            nursery.cancel_scope.cancel()
+        assert ended is not None
+        if ended.reason == "error":
+            return _error_response(500, ended.error or "the engine failed", ended.code, "server_error")
+        return JSONResponse(wire.whole(cid, created, served.name, chat, "".join(parts), ended.reason,
+                                       len(job.prompt), ended.completion_tokens))
+
+    async def chat(request: Request) -> Response:
+        return await run(request, True)
+
+    async def completions(request: Request) -> Response:
+        return await run(request, False)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 405:
+            return _error_response(405, f"{where} is not supported; see GET /v1/models, POST /v1/chat/completions "
+                                        "and POST /v1/completions", "method_not_allowed")
+        if exc.status_code == 404:
+            return _error_response(404, f"Invalid URL ({where}): this worker serves /v1/models, "
+                                        "/v1/chat/completions and /v1/completions", "not_found")
+        return _error_response(exc.status_code, str(exc.detail), None)
+
+    async def crash(_: Request, exc: Exception) -> Response:
+        traceback.print_exception(exc, file=sys.stderr)  # the worker's log has it; the client does not
+        return _error_response(500, f"internal error in the worker: {type(exc).__name__}", "internal_error",
+                               "server_error")
+
+    return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
+                             Route("/v1/models/{model_id:path}", model),
+                             Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/completions", completions, methods=["POST"])],
+                     exception_handlers={HTTPException: http_error, Exception: crash})
+
+
+def release_sealed() -> int:
+    """Close the memfds of an encrypted model the agent handed over (agent/weights/unseal.py), once loaded:
+    the tensors hold the weights now (or map those pages, which a mapping keeps), and the descriptors
+    would keep a second copy of the plaintext in memory for the server's life. How many were closed."""
+    fds = held_memfds()
+    for fd in fds:
+        os.close(fd)
+    return len(fds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="torch_worker")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--host", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--served-name", help="the model's name in answers and /v1/models (default: its path)")
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--context-length", type=int)
+    ap.add_argument("--draft")
+    ap.add_argument("--prompt-lookup", type=int)
+    ap.add_argument("--dtype", choices=DTYPES, default="auto",
+                    help="weights' dtype in memory; auto: float32 on CPU, the checkpoint's own on a GPU")
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="auto: a GPU when torch sees one; cuda: fail at load when it does not")
+    ap.add_argument("--max-batch", type=int, default=16, help="requests decoded together (more wait their turn)")
+    ap.add_argument("--prefix-cache", type=int, default=PREFIX_TOKENS,
+                    help="prompt tokens whose keys and values are kept for prompts that begin alike (0: none)")
+    ap.add_argument("--stream-buffer", type=int, default=STREAM_BUFFER,
+                    help="tokens a slow reader may fall behind before its request pauses")
+    args = ap.parse_args()
+    guard_worker()  # it will hold an encrypted model's plaintext: closed to the other workers
+    served = Served(args.model, args.threads, args.context_length, args.draft, args.prompt_lookup, args.dtype,
+                    args.max_batch, args.stream_buffer, args.device, args.prefix_cache)  # fails here, loudly
+    served.name = args.served_name or served.name
+    print(json.dumps({"event": "loaded", "model": args.model, "device": str(served.device),
+                      "dtype": str(served.model.dtype).removeprefix("torch."),
+                      "context_length": served.context_length}), file=sys.stderr, flush=True)
+    release_sealed()
+
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = [f"{args.host}:{args.port}"]
+    config.accesslog = None
+    trio.run(serve, worker_guard(create_app(served)), config)  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""Server processes: start (returning at once), supervise to `running` or `failed` with the full
+reason, stop (SIGTERM, then SIGKILL), and never restart on their own. Processes come from an
+injected Launcher; how each engine is launched comes from its spec in agent/backends/. A slice is
+served only as a stage of a pipeline, whose details the start carries."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import trio
+
+from wire.ids import split_server_id
+from wire.layers import LayerRange
+from wire.plan_details import PipelineDetails
+from wire.state import PipelineInfo, ServerEntry, ServerExit, WeightsEntry
+
+from agent.serving import registry
+from agent.auth import WORKER_CREDENTIAL_ENV, new_worker_credential
+from agent.backends.pipeline.spec import check_details
+from agent.backends.launch import BadSettings, Launcher, LaunchSpec, Process
+from agent.weights.store import Store, WeightStore
+from agent.weights.unseal import Unsealer
+
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,127}\Z")  # \Z: `$` passes a final newline
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+STOP_GRACE_S = 10.0
+TAIL_LINES = 40
+HEALTH_EVERY_S = 0.25
+
+
+class Refused(Exception):
+    """A request the agent will not carry out: the HTTP status, a stable code and the reason."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - 64 * 1024))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    # Progress bars redraw with \r; keep what a person would have seen last on each line.
+    kept = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
+    return "\n".join(kept[-lines:])
+
+
+@dataclass
+class Server:
+    """One server this agent was asked to run: mutable, as its supervisor moves it along."""
+
+    id: str
+    digest: str
+    backend: str
+    host: str
+    port: int
+    settings: dict[str, Any]
+    speculative: dict[str, Any] | None
+    argv: list[str]
+    log: Path
+    state: str = "starting"
+    pid: int | None = None
+    reason: str | None = None
+    exit: ServerExit | None = None
+    started: float = field(default_factory=time.time)
+    proc: Process | None = None
+    pipeline: PipelineInfo | None = None  # a pipeline stage's place in its group
+    reason_file: Path | None = None  # where the worker writes why it failed, in one line
+    # What the worker asks of every request (agent/auth.py WorkerAuth), reported in the state so
+    # that the router can send it: as private as the agent's API, which needs the cluster secret.
+    credential: str = field(default="", repr=False)
+
+    def to_json(self) -> ServerEntry:
+        out: ServerEntry = {"id": self.id, "state": self.state, "model": self.digest, "backend": self.backend,
+                            "host": self.host, "port": self.port, "pid": self.pid, "settings": self.settings,
+                            "speculative": self.speculative, "uptime_s": round(time.time() - self.started, 1),
+                            "reason": self.reason, "exit": self.exit, "credential": self.credential}
+        if self.pipeline is not None:
+            out["pipeline"] = self.pipeline
+        return out
+
+
+def _describe_exit(code: int) -> tuple[str, ServerExit]:
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        return f"was killed by signal {-code} ({name})", {"code": None, "signal": -code}
+    return f"exited with code {code}", {"code": code, "signal": None}
+
+
+
+
+def _told(path: Path | None) -> str | None:
+    """The one line a worker wrote about why it failed, if it wrote one."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return None
+    return text.splitlines()[0][:2000] if text else None
+
+
+def _refuse_corrupt(entry: WeightsEntry) -> None:
+    integrity = entry.get("integrity")
+    if integrity is not None and integrity["state"] == "corrupt":
+        raise Refused(409, "model_corrupt", f"model {entry['digest']} is corrupt on this node: {integrity['file']}: "
+                                            f"{integrity['reason']} (found {integrity['checked_at']}); no server "
+                                            "starts on it until it is fetched again from a good copy (fleet apply)")
+
+
+class Workers:
+    """The agent's table of servers, and the supervision of each one's process."""
+
+    def __init__(self, home: Path, store: WeightStore, spawn: Callable[..., None], launcher: Launcher,
+                 default_host: str, specs: Mapping[str, LaunchSpec] = registry.BACKENDS) -> None:
+        self.store = store
+        self.spawn = spawn
+        self.launcher = launcher
+        self.specs = specs  # the engines this agent can start, by backend name
+        self.default_host = default_host
+        self.logs = home / "servers"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.servers: dict[str, Server] = {}
+        # Encrypted models are served from memory (agent/weights/unseal.py); a simulation's store holds none.
+        self.unsealer = Unsealer(store, self.logs) if isinstance(store, Store) else None
+
+    def using(self, digest: str) -> str | None:
+        for s in self.servers.values():
+            if s.state in ("starting", "running", "stopping") and (
+                    s.digest == digest or (s.speculative or {}).get("draft_digest") == digest):
+                return s.id
+        return None
+
+    def _model_path(self, digest: str, what: str) -> str:
+        entry = self._model(digest, what)
+        if "encryption" in entry:  # its path holds ciphertext: only the served model is decrypted
+            raise Refused(409, "encrypted_draft_unsupported", f"{what} {digest} is encrypted; a draft model is "
+                                                              "loaded from its stored files, so it must be a plain one")
+        return str(entry["path"])
+
+    def _model(self, digest: str, what: str) -> WeightsEntry:
+        if not self.store.is_present(digest):
+            raise Refused(409, "model_not_held", f"{what} {digest} is not held on this node; replicate it first")
+        entry = self.store.entry(digest)
+        _refuse_corrupt(entry)
+        if entry["slice"]:
+            raise Refused(409, "model_is_slice", f"{what} {digest} is held only as a slice (layers "
+                                                 f"{entry['slice']['layers']}); a slice is served only as a "
+                                                 "pipeline stage (a start with pipeline details)")
+        return entry
+
+    def _stage_model(self, digest: str, details: PipelineDetails) -> WeightsEntry:
+        """The slice a pipeline stage serves: held, and of the layers its place in the group says."""
+        if not self.store.is_present(digest):
+            raise Refused(409, "model_not_held", f"model {digest} is not held on this node; replicate it first")
+        entry = self.store.entry(digest)
+        _refuse_corrupt(entry)
+        rank = details["rank"]
+        wanted = LayerRange.parse(details["stages"][rank]["layers"])
+        held = entry["slice"]
+        if held is None or LayerRange.parse(held["layers"]) != wanted:
+            what = f"layers {held['layers']}" if held else "the whole model"
+            raise Refused(409, "pipeline_slice_mismatch", f"model {digest} holds {what}, but stage {rank} of "
+                                                          f"pipeline {details['group']} serves layers {wanted}")
+        return entry
+
+    def start(self, body: dict[str, Any]) -> Server:
+        sid = body.get("id")
+        if not isinstance(sid, str) or not ID_RE.match(sid):
+            raise Refused(400, "bad_request", "id must be 1-128 letters, digits, '.', '_', '@' or '-'")
+        old = self.servers.get(sid)
+        if old is not None and old.state in ("starting", "running", "stopping"):
+            raise Refused(409, "server_exists", f"server {sid} is already {old.state}; stop it first")
+        digest, port = body.get("model"), body.get("port")
+        if not isinstance(digest, str):
+            raise Refused(400, "bad_request", "model must be a model digest")
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise Refused(400, "bad_request", "port must be an integer 1-65535")
+        host = body.get("host") or self.default_host
+        settings = body.get("settings") or {}
+        if not isinstance(settings, dict):
+            raise Refused(400, "bad_request", "settings must be an object")
+        details = None
+        if body.get("pipeline") is not None:
+            try:
+                details = check_details(body["pipeline"])
+            except BadSettings as exc:
+                raise Refused(400, "bad_request", str(exc)) from None
+            entry = self._stage_model(digest, details)
+            spec = self.specs.get(registry.PIPELINE)
+            if spec is None or spec.format != entry["format"]:
+                raise Refused(409, "format_not_served", f"model {digest} is a slice of a {entry['format']} model, "
+                                                        "which this agent does not serve as a pipeline stage")
+        else:
+            entry = self._model(digest, "model")
+            found = registry.for_format(entry["format"], self.specs)
+            if found is None:
+                raise Refused(409, "format_not_served", f"model {digest} is stored as {entry['format']}, which no "
+                                                        "backend of this agent serves")
+            spec = found
+        missing = self.launcher.missing(spec.modules)
+        if missing:
+            raise Refused(409, "backend_not_installed",
+                          f"the {spec.name} backend needs {', '.join(missing)}, not installed on this node: "
+                          f"pip install 'fleet[{spec.extra}]'")
+        problem = self.launcher.port_problem(host, port)
+        if problem:
+            raise Refused(409, "port_unavailable", f"port {port} on {host} is {problem}; another server or "
+                                                    "process holds it")
+        reason_file = self.logs / f"{sid}.reason"
+        # The engine names its model by the cluster (the id's first part), never by a store path, so
+        # neither /v1/models nor a chunk's `model` shows a path, even to someone on the worker's port.
+        launch_settings = {**settings, "served_name": split_server_id(sid)[0]}
+        if details is not None:
+            rdv = details["rendezvous"]
+            problem = self.launcher.port_problem(rdv["address"], rdv["port"]) if details["rank"] == 0 else None
+            if problem:
+                raise Refused(409, "port_unavailable", f"the pipeline's rendezvous port {rdv['port']} on "
+                                                        f"{rdv['address']} is {problem}; another server or process "
+                                                        "holds it")
+            launch_settings = {**launch_settings, "pipeline": details, "reason_file": str(reason_file)}
+        unsealer = self.unsealer if "encryption" in entry else None
+        opened = unsealer.prepare(sid, entry) if unsealer is not None else None  # its own links per start
+        model_path = opened.path if opened is not None else entry["path"]
+        try:
+            command = spec.command(model_path, host, port, launch_settings, self._model_path)
+        except BadSettings as exc:
+            raise Refused(400, "bad_request", str(exc)) from None
+        log = self.logs / f"{sid}.log"
+        log.write_bytes(b"")
+        reason_file.unlink(missing_ok=True)
+        server = Server(sid, digest, spec.name, host, port, settings, command.speculative, list(command.argv), log,
+                        credential=new_worker_credential())
+        if details is not None:
+            server.pipeline = {"group": details["group"], "rank": details["rank"], "world_size": details["world_size"]}
+            server.reason_file = reason_file
+        self.servers[sid] = server
+        if unsealer is not None and opened is not None:  # decrypted into memory first; a wrong key or
+            # tampered weights fail it
+            self.spawn(unsealer.run, server, opened, entry, functools.partial(self._supervise, server, spec))
+        else:
+            self.spawn(self._supervise, server, spec)
+        return server
+
+    async def _supervise(self, server: Server, spec: LaunchSpec, keep_fds: Sequence[int] = ()) -> None:
+        timeout = float(server.settings.get("startup_timeout_s") or DEFAULT_STARTUP_TIMEOUT_S)
+        try:
+            proc = self.launcher.launch(server.argv, server.log, {WORKER_CREDENTIAL_ENV: server.credential},
+                                        keep_fds)
+        except OSError as exc:
+            server.state, server.reason = "failed", f"could not start {server.argv[0]}: {exc}"
+            return
+        server.proc, server.pid = proc, proc.pid
+        timed_out: list[str] = []
+        async with trio.open_nursery() as nursery:
+            async def watch_health() -> None:
+                url = f"http://{server.host}:{server.port}{spec.health}"
+                deadline = trio.current_time() + timeout
+                while server.state == "starting":
+                    if await self.launcher.answers(url, server.credential):
+                        server.state = "running"
+                        return
+                    if trio.current_time() > deadline:
+                        # failed only once reaped below, so no one sees a failed server without its exit
+                        timed_out.append(f"did not answer its health check ({spec.health}) within {timeout:g}s "
+                                         f"(startup_timeout_s); killed")
+                        proc.kill()
+                        return
+                    await trio.sleep(HEALTH_EVERY_S)
+
+            nursery.start_soon(watch_health)
+            code = await proc.wait()
+            nursery.cancel_scope.cancel()
+        how, server.exit = _describe_exit(code)
+        if timed_out:
+            server.state, server.reason = "failed", timed_out[0]
+        if server.state == "stopping":
+            server.state = "stopped"
+            return
+        stderr = tail(server.log)
+        first = server.reason if server.state == "failed" and server.reason else f"the worker {how}"
+        told = _told(server.reason_file)
+        if told and not (server.state == "failed" and server.reason):
+            first = f"{told}; the worker {how}"  # the worker's own account of why first
+        server.state = "failed"
+        server.reason = f"{first}\n--- last lines of its output ({server.log}) ---\n{stderr}" if stderr else first
+
+    async def stop(self, sid: str, grace: float = STOP_GRACE_S) -> Server:
+        server = self.servers.get(sid)
+        if server is None:
+            raise Refused(404, "server_not_found", f"no server {sid} on this node")
+        proc = server.proc
+        if proc is not None and proc.poll() is None:
+            server.state = "stopping"
+            proc.send_signal(signal.SIGTERM)
+            with trio.move_on_after(grace):
+                while proc.poll() is None:
+                    await trio.sleep(0.05)
+            if proc.poll() is None:
+                proc.kill()
+                await proc.wait()
+            while server.state == "stopping":  # let the supervisor record the exit
+                await trio.sleep(0.01)
+        self.servers.pop(sid, None)
+        server.state = "stopped"
+        return server
+
+    async def stop_all(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for sid in list(self.servers):
+                nursery.start_soon(self.stop, sid)

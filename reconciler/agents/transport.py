@@ -1,0 +1,348 @@
+"""How an agent call travels: one seam (`Transport.exchange`: a request for a status and bytes), a
+raw-socket transport for production and an in-memory one for tests, both answering through the
+same HTTP/1.1 reader, so that tests run the parsing code production runs."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import ssl
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, Awaitable, Callable, Protocol
+from urllib.parse import unquote
+
+import trio
+from starlette.types import ASGIApp, Message
+
+from wire import live
+from wire.http import HeadTooLarge, MalformedHead, split_head
+
+from reconciler.agents import sockio
+from reconciler.agents.errors import AgentProtocolError, NodeUnreachable
+from reconciler.core.desired import NodeSpec
+
+ANSWER_LIMIT = 64 << 20  # an agent's answer larger than this is refused, not buffered
+READ = 65536
+CLOSE_NOTIFY_S = 1.0  # a TLS connection is ended with close_notify, unless sending it takes longer
+
+Receive = Callable[[int], Awaitable[bytes | bytearray]]  # up to n bytes of the answer; b"" once it has ended
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRequest:
+    method: str
+    node: NodeSpec
+    path: str
+    body: bytes | None = None  # JSON
+    secret: str = field(default="", repr=False)
+    unless: str | None = None  # If-None-Match: the generation the caller holds (GET /v1/state)
+
+    def encode(self, keep_alive: bool = False) -> bytes:
+        """The request as it goes on the wire: one request per connection, closed after the answer
+        (unless `keep_alive`: then the connection may carry the next request to that agent)."""
+        node = self.node
+        host = f"[{node.address}]" if ":" in node.address else node.address
+        head = (f"{self.method} {self.path} HTTP/1.1\r\nHost: {host}:{node.agent_port}\r\n"
+                f"Authorization: Bearer {self.secret}\r\n")
+        if not keep_alive:
+            head += "Connection: close\r\n"
+        if self.unless is not None:
+            head += f'If-None-Match: "{self.unless}"\r\n'
+        if self.body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(self.body)}\r\n"
+        return head.encode() + b"\r\n" + (self.body or b"")
+
+
+class Transport(Protocol):
+    async def exchange(self, request: AgentRequest) -> tuple[int, bytes]:
+        """The answer's status and body (for a 304, its fleet-live header's value: read_response).
+        Raises NodeUnreachable or AgentProtocolError for what the reader finds; OSError or
+        trio.BrokenResourceError for the connection (the client names them); timeouts are the caller's."""
+        ...
+
+
+class SocketTransport:
+    """Each call on a connection of its own over a plain non-blocking socket (TLS where the node
+    says so). Through httpx each call cost about 1 ms of CPU, most of the heartbeat's budget at a
+    thousand nodes (bench/heartbeat).
+
+    `keep_alive` (the heartbeat's): a plain connection is kept after a GET for the next GET to that
+    agent, up to `max_idle` of them. Setting up and tearing down a connection was most of a quiet
+    beat's CPU at 10,000 agents once 304s spared the parsing; a kept one the agent closed meanwhile
+    is noticed before use, or the GET is asked once more on a fresh connection."""
+
+    def __init__(self, ca_file: str | None = None, *, keep_alive: bool = False, max_idle: int = 0) -> None:
+        # ca_file: trust agents' certificates signed by this CA (or self-signed ones given directly),
+        # for nodes that name no CA file of their own (NodeSpec.ca_file, from fleet.yaml).
+        self._ca_file = ca_file
+        # One context per CA file, made on the first TLS call to a node using it: loading the CAs
+        # costs 0.1-0.2 s.
+        self._ssl: dict[str | None, ssl.SSLContext] = {}
+        self._keep, self._max_idle = keep_alive, max_idle
+        self._idle: dict[tuple[str, int], socket.socket] = {}
+
+    @property
+    def keeps(self) -> bool:
+        """Whether it keeps connections between calls (the heartbeat's)."""
+        return self._keep
+
+    async def exchange(self, request: AgentRequest) -> tuple[int, bytes]:
+        node = request.node
+        key = (node.address, node.agent_port)
+        keep = self._keep and request.method == "GET" and not node.tls
+        if keep:
+            kept = self._idle.pop(key, None)
+            if kept is not None and _open(kept):
+                try:
+                    return await self._plain(kept, request, key, True)
+                except (OSError, NodeUnreachable):
+                    pass  # closed by the agent meanwhile (a GET: asked again on a fresh connection)
+            elif kept is not None:
+                sockio.close(kept)
+        sock = None if node.tls else _connecting(node, keep)
+        if sock is None:
+            sock = await sockio.connect(node.address, node.agent_port)
+        if node.tls:
+            return await self._exchange_tls(request, sock)
+        return await self._plain(sock, request, key, keep)
+
+    async def _plain(self, sock: socket.socket, request: AgentRequest, key: tuple[str, int],
+                     keep: bool) -> tuple[int, bytes]:
+        # The socket driven directly (sockio), without trio's SocketStream, whose every call tries,
+        # waits and tries again: at 10,000 nodes a call's CPU was most of a plan's (bench/plan_scale).
+        reusable = False
+        try:
+            await sockio.send(sock, request.encode(keep))
+            await trio.lowlevel.wait_readable(sock)  # the answer's first bytes; the rest is mostly there then
+            status, body, reusable = await read_response(request.node, lambda n: _receive(sock, n))
+            return status, body
+        finally:
+            if keep and reusable and len(self._idle) < self._max_idle and key not in self._idle:
+                self._idle[key] = sock
+            else:
+                # No other task ever waits on this socket, and this one waits no more: trio needs no
+                # notify_closing, and the kernel drops the socket from trio's epoll as it closes it
+                # (the explicit EPOLL_CTL_DEL was one of a plan's ten system calls per node).
+                sock.close()
+
+    def close(self) -> None:
+        for sock in self._idle.values():
+            sockio.close(sock)
+        self._idle.clear()
+
+    async def _exchange_tls(self, request: AgentRequest, sock: socket.socket) -> tuple[int, bytes]:
+        node = request.node
+        ca_file = node.ca_file or self._ca_file
+        context = self._ssl.get(ca_file)
+        if context is None:
+            try:
+                context = self._ssl[ca_file] = ssl.create_default_context(cafile=ca_file)
+            except BaseException:  # the CA file gone since the fleet file was read: no socket left behind
+                sockio.close(sock)
+                raise
+        # The certificate is checked against the name the node goes by (sent as SNI too); its address
+        # is only where to connect. Not https_compatible: in that mode trio's aclose sends no
+        # close_notify (an agent's answer always has a length, so a ragged end is never read).
+        stream = trio.SSLStream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)), context,
+                                server_hostname=node.hostname or node.address)
+        try:
+            await stream.send_all(request.encode())
+            return await read_answer(node, stream.receive_some)
+        finally:
+            await _close_tls(stream)
+
+
+async def _close_tls(stream: trio.SSLStream[trio.SocketStream]) -> None:
+    """End the connection as TLS means it to end: close_notify first (SSLStream.aclose), so the agent
+    can tell an answer read whole from a connection cut; only then the socket. A peer that already
+    went, or a close that takes too long, just closes the socket."""
+    with trio.move_on_after(CLOSE_NOTIFY_S):
+        try:
+            await stream.aclose()
+            return
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+    await trio.aclose_forcefully(stream)
+
+
+def _connecting(node: NodeSpec, keep: bool = False) -> socket.socket | None:
+    """A socket whose connection to a node named by its address has begun, without waiting for it:
+    the request's send waits while it is still connecting (sockio.send), and fails as a connect
+    would (the same errno). On loopback the handshake is done before connect returns, and the wait
+    for writability was one of a call's two trips through trio's scheduler (bench/plan_scale).
+    None for a host name, which sockio.connect resolves. Made non-blocking as it is created, and,
+    unless `keep`, without TCP_NODELAY: its one request goes out in one send, which Nagle never
+    holds back (two system calls fewer per node of a plan)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, node.address)
+        except OSError:
+            continue
+        sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        if keep:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # later requests too go out at once
+        code = sock.connect_ex((node.address, node.agent_port))
+        if code in (0, errno.EINPROGRESS):
+            return sock
+        sock.close()
+        raise OSError(code, os.strerror(code))
+    return None
+
+
+async def _receive(sock: socket.socket, size: int) -> bytes:
+    """What is there already, else sockio.receive: an agent writes its answer's head and body
+    apart, and the body has mostly arrived by the time the head is read; waiting for it through
+    trio's scheduler cost as much as the rest of reading it. The caller waits for the first bytes
+    itself, so that a heartbeat's 304 costs no read that finds nothing."""
+    try:
+        return sock.recv(size)
+    except BlockingIOError:
+        return await sockio.receive(sock, size)
+
+
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags (enums) each call cost more than the call
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether an idle kept connection is still usable: nothing to read on it (a close, or bytes
+    nobody asked for, mean it is not)."""
+    try:
+        sock.recv(1, _PEEK)
+    except BlockingIOError:
+        return True  # nothing there: open and quiet
+    except OSError:
+        pass
+    return False
+
+
+async def read_answer(node: NodeSpec, receive: Receive) -> tuple[int, bytes]:
+    """Status and body of one HTTP/1.1 response (Content-Length, or up to the connection's end)."""
+    status, body, _ = await read_response(node, receive)
+    return status, body
+
+
+async def read_response(node: NodeSpec, receive: Receive) -> tuple[int, bytes, bool]:
+    """read_answer, and whether the connection may carry another request (the answer was framed
+    by its length, and the agent did not say it closes). A 304 has no body: in its place comes its
+    fleet-live header's value (wire/live.py), the one part of its head the client reads."""
+    buf = b""
+    try:
+        while (split := split_head(buf)) is None:
+            more = await receive(READ)
+            if not more:
+                raise NodeUnreachable(node, "the connection closed before an answer")
+            buf += more
+            if buf.startswith(b"HTTP/1.1 304 ") and buf.endswith(b"\r\n\r\n") and b"\r\n\r\n" not in buf[:-4]:
+                # The answer of a quiet heartbeat, whole: nothing in its head matters but a close
+                # and the live values (a tenth of a quiet beat's CPU went to parsing these heads).
+                low = buf.lower()
+                return 304, _live(buf, low), b"connection: close" not in low
+        head, body = split
+        if head.chunked:
+            # fleet-agent always sends a length; something else answered in its place.
+            raise AgentProtocolError(node, "a chunked answer, which fleet-agent never sends (is a proxy in between?)")
+        # None: the body ends with the connection. A 204 or 304 has none, whatever its head says.
+        want = 0 if head.status in (204, 304) else head.content_length()
+    except HeadTooLarge:
+        raise AgentProtocolError(node, "an oversized response head") from None
+    except MalformedHead as exc:
+        raise AgentProtocolError(node, f"a {exc}") from None
+    if (want or 0) > ANSWER_LIMIT:
+        raise AgentProtocolError(node, f"an answer over {ANSWER_LIMIT >> 20} MiB")
+    while want is None or len(body) < want:
+        more = await receive(READ)
+        if not more:
+            break
+        body += more
+        if len(body) > ANSWER_LIMIT:
+            raise AgentProtocolError(node, f"an answer over {ANSWER_LIMIT >> 20} MiB")
+    if want is not None and len(body) < want:
+        raise NodeUnreachable(node, f"the connection closed after {len(body)} of {want} bytes")
+    reusable = want is not None and len(body) == want and head.headers.get("connection", "").lower() != "close"
+    if head.status == 304:
+        return 304, head.headers.get(live.HEADER, "").encode("latin-1"), reusable
+    return head.status, body if want is None else body[:want], reusable
+
+
+_LIVE = b"\r\n" + live.HEADER.encode() + b":"
+
+
+def _live(head: bytes, low: bytes) -> bytes:
+    """The value of a 304's fleet-live header (b"" when it has none), from its head's bytes."""
+    at = low.find(_LIVE)
+    if at < 0:
+        return b""
+    at += len(_LIVE)
+    return head[at:head.index(b"\r\n", at)].strip()
+
+
+Answer = Callable[[bytes], Awaitable[bytes]]  # a request's bytes → the raw bytes of the response
+
+
+class MemoryTransport:
+    """In-process, for tests: the request's bytes go to `answer` (an ASGI app through `asgi`, or
+    a handler that writes raw bytes) and its response is read by `read_answer`, `piece` bytes at a
+    time, as a socket's is. A handler raising OSError is a connection that failed."""
+
+    def __init__(self, answer: Answer, *, piece: int = READ) -> None:
+        self.answer, self.piece = answer, piece
+
+    async def exchange(self, request: AgentRequest) -> tuple[int, bytes]:
+        raw = await self.answer(request.encode())
+        at = 0
+
+        async def receive(n: int) -> bytes:
+            nonlocal at
+            await trio.lowlevel.checkpoint()
+            out = raw[at:at + min(n, self.piece)]
+            at += len(out)
+            return out
+        return await read_answer(request.node, receive)
+
+
+def asgi(app: ASGIApp) -> Answer:
+    """An ASGI app (the agent's) as an Answer: the request parsed into a scope, the response
+    written as an HTTP/1.1 server would write it (chunked when the app gives no length)."""
+
+    async def answer(request: bytes) -> bytes:
+        head, _, body = request.partition(b"\r\n\r\n")
+        line, *lines = head.decode("latin-1").split("\r\n")
+        method, target, _ = line.split(" ", 2)
+        path, _, query = target.partition("?")
+        scope: dict[str, Any] = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+            "scheme": "http", "path": unquote(path), "raw_path": path.encode(), "query_string": query.encode(),
+            "root_path": "", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
+            "headers": [(k.strip().lower().encode("latin-1"), v.strip().encode("latin-1"))
+                        for k, _, v in (h.partition(":") for h in lines)]}
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
+        complete = trio.Event()
+        status, headers, parts = 500, [], []
+
+        async def receive() -> Message:
+            if pending:
+                return pending.pop()
+            await complete.wait()  # a streaming response listens for the client going away meanwhile
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            nonlocal status, headers
+            if message["type"] == "http.response.start":
+                status, headers = message["status"], list(message.get("headers", []))
+            elif message["type"] == "http.response.body":
+                parts.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    complete.set()
+
+        await app(scope, receive, send)
+        content = b"".join(parts)
+        out = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}".encode()]
+        out += [k + b": " + v for k, v in headers]
+        if status not in (204, 304) and not any(k.lower() == b"content-length" for k, _ in headers):
+            out.append(b"transfer-encoding: chunked")
+            content = (b"%x\r\n%s\r\n" % (len(content), content) if content else b"") + b"0\r\n\r\n"
+        return b"\r\n".join(out) + b"\r\n\r\n" + content
+
+    return answer
