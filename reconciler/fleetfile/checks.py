@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import difflib
+import ipaddress
+import os
+import re
+import stat
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -81,7 +85,26 @@ class Checker:
                      f"cannot use {str(path)!r} as the agents' CA file: {why}")
         return str(path)
 
+    def check_addresses(self) -> None:
+        """Each address a real IP address or host name: the schema's patterns let through an IPv6
+        look-alike (`1::2::3`) and any host in control_plane.listen (`127.0.31.999:8080`)."""
+        for name, node in self.nodes.items():
+            why = address_problem(node["address"])
+            if why is not None:
+                self.add("invalid_address", ("nodes", name, "address"),
+                         f"nodes.{name}.address: {node['address']!r} is not an address: {why}",
+                         "Write an IPv4 address (10.0.0.2), an IPv6 address (fd00::2) or a host name (gpu-a.lab).")
+        listen = self.data["control_plane"].get("listen")
+        if isinstance(listen, str):
+            host = listen.rsplit(":", 1)[0]
+            why = address_problem(host[1:-1] if host.startswith("[") else host, bracketed=host.startswith("["))
+            if why is not None:
+                self.add("invalid_address", ("control_plane", "listen"),
+                         f"control_plane.listen: {host!r} is not an address: {why}",
+                         "Write HOST:PORT with an IP address or host name: 0.0.0.0:8080, [::1]:8080, cp.lab:8080.")
+
     def check_nodes(self) -> None:
+        self.check_addresses()
         seen: dict[tuple[str, int], str] = {}
         for name, node in self.nodes.items():
             key = (node["address"].lower(), node.get("agent_port", DEFAULT_AGENT_PORT))
@@ -324,10 +347,62 @@ def ca_file_path(filename: str, given: str) -> Path:
     return Path(filename).resolve().parent / Path(given).expanduser()
 
 
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def address_problem(text: str, *, bracketed: bool = False) -> str | None:
+    """Why `text` is neither an IP address nor a host name (RFC 1123; a name's last label is not
+    all digits, RFC 3696 2), or None. `bracketed`: it was written [ADDR], so it must be IPv6."""
+    if bracketed or ":" in text:
+        try:
+            ipaddress.IPv6Address(text)
+            return None
+        except ValueError as exc:
+            return f"not an IPv6 address ({exc})"
+    labels = text.split(".")
+    if labels[-1].isdigit():
+        try:
+            ipaddress.IPv4Address(text)
+            return None
+        except ValueError as exc:
+            return f"not an IPv4 address ({exc})"
+    if len(text) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        return "not a host name (labels of letters, digits and '-', 1-63 characters, separated by '.')"
+    return None
+
+
+# A CA bundle is kilobytes (the system's whole store is ~220 KiB); a file named in fleet.yaml is
+# read whole, so one that could be anything (/dev/zero, a log, a FIFO) is refused before it is read.
+MAX_NAMED_FILE_BYTES = 1024 * 1024
+
+
+def read_named_file(path: Path, limit: int = MAX_NAMED_FILE_BYTES) -> bytes:
+    """A file fleet.yaml names, read whole: a regular file (opened without blocking, so a FIFO
+    never hangs the read, and checked before a byte is read) of at most `limit` bytes. OSError
+    with a plain reason otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode)
+                    else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode)
+                    else "a socket" if stat.S_ISSOCK(info.st_mode) else "not a file")
+            raise OSError(f"it is {kind}, not a regular file")
+        if info.st_size > limit:
+            raise OSError(f"it is {info.st_size:,} bytes; at most {limit:,} are read")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:  # grew since fstat
+            raise OSError(f"it is over {limit:,} bytes; at most {limit:,} are read")
+        return data
+    finally:
+        os.close(fd)
+
+
 def ca_file_problem(path: Path) -> str | None:
     """Why the agents' CA file cannot be used (None when it holds a PEM certificate); desiredcache
     asks again before it trusts a validation it kept."""
     try:
-        return None if b"-----BEGIN CERTIFICATE-----" in path.read_bytes() else "it holds no PEM certificate"
+        return None if b"-----BEGIN CERTIFICATE-----" in read_named_file(path) else "it holds no PEM certificate"
     except OSError as exc:
         return exc.strerror or str(exc)

@@ -52,7 +52,10 @@ def load_text(text: str, filename: str) -> Loaded:
                            "Start from fleet.yaml.example: `version`, `control_plane`, `nodes`, ...",
                            range=doc.range(())))
         return Loaded(filename, None, tuple(diags), doc, None, text)
-    diags += schema.validate(doc)
+    # One error a place: a value the YAML already refused (a number too long, written in hex) is
+    # not reported again by the schema.
+    refused = {d.address for d in diags if d.is_error and d.address}
+    diags += [d for d in schema.validate(doc) if d.address not in refused]
     if has_errors(diags):
         return Loaded(filename, None, tuple(diags), doc, None, text)
     checker = Checker(doc)

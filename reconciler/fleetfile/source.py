@@ -19,6 +19,10 @@ MAX_BYTES = 16 * 1024 * 1024
 # of 10,000 nodes has about 100,000 YAML nodes.
 MAX_NODES = 1_000_000
 MAX_DEPTH = 64
+# A number in a fleet file is a port, a count, a size or a timeout: 40 characters hold any of
+# them. Longer is refused before it is converted (Python's int() refuses 4,301 digits with a
+# ValueError, and a float of 5,000 digits is inf).
+MAX_NUMBER_CHARS = 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +106,13 @@ def read_file(path: str | Path) -> tuple[str | None, list[Diagnostic]]:
                 "config_too_large",
                 f"{name} is {size / 1048576:.1f} MiB; a fleet file may be at most {MAX_BYTES // 1048576} MiB",
                 "Is this the right file? A fleet of thousands of nodes fits in well under 1 MiB.")]
-        raw = p.read_bytes()
+        with p.open("rb") as f:  # bounded: a pipe (`-f <(...)`) or a device has no size to check first
+            raw = f.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            return None, [error(
+                "config_too_large", f"{name} holds more than {MAX_BYTES // 1048576} MiB; a fleet file may be at "
+                f"most {MAX_BYTES // 1048576} MiB", "Is this the right file? A fleet of thousands of nodes fits in "
+                "well under 1 MiB.")]
     except FileNotFoundError:
         return None, [error("config_not_found", f"no such file: {name}",
                             "Give the fleet file with -f FILE (default: fleet.yaml in the current directory).")]

