@@ -75,10 +75,15 @@ def snapshot(fleet: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
                 entry["encryption"] = {"cipher": "aes-256-gcm", **w["key"]}
             if "corrupt" in w:  # {file, reason}: what the agent's verification found
                 entry["integrity"] = {"state": "corrupt", "checked_at": "2026-11-30T11:00:00+00:00", **w["corrupt"]}
+            if "architecture" in w:  # {layers, kv_heads, head_dim, kv_dtype_bytes}, as an agent may report it
+                entry["architecture"] = w["architecture"]
             weights.append(entry)
         servers = [{"id": s["id"], "state": s.get("state", "running"), "model": models[s["model"]]["digest"]
                     if s["model"] in models else s["model"], "port": s["port"], "settings": s.get("settings", {}),
-                    "reason": s.get("reason")} for s in n.get("servers", [])]
+                    "reason": s.get("reason"),
+                    # [{index, bytes}]: the GPUs its agent gave it and what it reserved on each
+                    **({"gpus": [{"index": g["index"], "uuid": f"GPU-{g['index']}", "bytes": size(g["bytes"])}
+                                 for g in s["gpus"]]} if "gpus" in s else {})} for s in n.get("servers", [])]
         for server, s in zip(servers, n.get("servers", [])):
             if "layers" in s:  # a pipeline stage: it serves its slice, in its group
                 m = models[s["model"]]
@@ -90,11 +95,15 @@ def snapshot(fleet: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
             "identity": {"id": n.get("identity", "0" * 32), "name": name, "enrolled_at": "2026-01-01T00:00:00Z"},
             "agent_version": "test", "variant": {"accelerator": "cpu", **({"findings": n["findings"]} if "findings" in n
                                                                          else {})}, "observed_at": n.get("time", "2026-11-30T12:00:00+00:00"),
-            "inventory": {"cores": {"logical": 8, "usable": 8}, "memory": {"total_bytes": 1, "available_bytes": 1},
+            "inventory": {"cores": {"logical": 8, "usable": n.get("cores", 8)},
+                          "memory": {"total_bytes": size(n.get("memory", 1)), "available_bytes": size(n.get("memory", 1))},
                           "disk": {"free_bytes": size(n.get("disk_free", "1T")), "total_bytes": size("2T"),
                                    "reserve_bytes": size(n.get("disk_reserve", 0))},
-                          "gpus": [{"name": "GPU", "uuid": f"GPU-{i}", "memory_total_bytes": size(g),
-                                    "memory_free_bytes": size(g)} for i, g in enumerate(n.get("gpus", []))],
+                          # a GPU: its size (all of it free), or {total, free} as NVML reports them
+                          "gpus": [{"index": i, "name": "GPU", "uuid": f"GPU-{i}",
+                                    "memory_total_bytes": size(g["total"] if isinstance(g, dict) else g),
+                                    "memory_free_bytes": size(g["free"] if isinstance(g, dict) else g)}
+                                   for i, g in enumerate(n.get("gpus", []))],
                           "simulated": True},
             "availability": {"inside": n.get("inside_window", True), "windows": n.get("windows", []),
                              "current_ends_at": n.get("window_ends_at")},
@@ -130,14 +139,26 @@ def planned_groups(snap: dict[str, Any], make: Callable[[dict[str, Any]], Plan])
         s["pipeline"]["group"] = groups[s["id"].partition("@")[0]]
 
 
+# Codes whose words are part of the case: they name the GPUs, what holds them and what is short.
+SAID = {"insufficient_vram", "insufficient_gpus", "gpu_not_found", "placement_failed", "identity_name_mismatch"}
+
+
 def render_lines(p: Plan) -> dict[str, Any]:
     changes = []
     for c in p.changes:
         line = f"{c.action.value} {c.address}"
         if "peer" in c.details:  # a replicate, or the replace of a corrupt replica
             line += f" from {c.details['peer']}"
+        if c.details.get("gpus"):
+            line += " on GPU " + ",".join(str(g["index"]) for g in c.details["gpus"])
+            line += f" ({c.details['gpus'][0]['bytes'] / 2**30:.1f} GiB each)"
         if c.depends_on:
             line += " after " + ", ".join(c.depends_on)
         changes.append(f"{line} -- {c.reason}")
-    return {"changes": changes,
-            "diagnostics": [f"{d.severity.value} {d.code} {d.address}" for d in p.diagnostics]}
+    out: dict[str, Any] = {"changes": changes, "diagnostics": [
+        f"{d.severity.value} {d.code} {d.address}" + (f": {d.summary}" if d.code in SAID else "")
+        for d in p.diagnostics]}
+    if p.gpus:
+        from reconciler.cli.render import gpu_lines
+        out["gpus"] = gpu_lines(p)
+    return out

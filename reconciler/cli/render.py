@@ -7,6 +7,7 @@ import re
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from reconciler.core.diagnostics import Diagnostic, Severity
+from reconciler.planning.gpus import gib, picture
 from reconciler.planning.notes import receive_lines
 
 if TYPE_CHECKING:
@@ -118,6 +119,23 @@ def pipeline_line(details: Mapping[str, Any]) -> str | None:
             f"{host}:{p['rendezvous']['port']}, group {p['group']}")
 
 
+def gpu_lines(plan: Any) -> list[str]:
+    """Each GPU of every node the plan reserves GPU memory on, in words (reconciler/planning/gpus.py)."""
+    return [picture(row) for row in plan.gpus]
+
+
+def gpus_given(details: Mapping[str, Any]) -> str | None:
+    """`GPU 0,1: 7.2 GiB each (weights 12.0 GiB + KV cache 1.0 GiB + overhead 1.0 GiB)` for a start or
+    replace given GPUs (None for any other change)."""
+    shares, vram = details.get("gpus"), details.get("vram")
+    if not shares or not isinstance(vram, dict):
+        return None
+    each = " each" if len(shares) > 1 else ""
+    return (f"GPU {','.join(str(g['index']) for g in shares)}: {gib(shares[0]['bytes'])}{each} "
+            f"(weights {gib(vram['weights_bytes'])} + KV cache {gib(vram['kv_cache_bytes'])} + overhead "
+            f"{gib(vram['overhead_bytes'])})")
+
+
 def print_plan(out: Console, plan: Any) -> None:
     """A plan for people: one block per action with its reason, then the summary line; a pipeline's
     group is named above its first stage (its stages start together). A refused plan prints
@@ -141,6 +159,13 @@ def print_plan(out: Console, plan: Any) -> None:
             drift = "  [magenta]\\[drift][/]" if c.drift else ""
             lines.append(f"  [{colour}]{sym} {c.action.value}[/] [bold]{escape(c.address)}[/]{after}{drift}")
             lines.append(f"      {escape(c.reason)}")
+            given = gpus_given(c.details)
+            if given is not None:
+                lines.append(f"      [dim]{escape(given)}[/]")
+        gpus = gpu_lines(plan)
+        if gpus:  # every GPU of the nodes this plan reserves on: what holds it, what the plan adds
+            lines += ["", "GPUs of the nodes this plan starts servers on:"]
+            lines += [f"  {escape(line)}" for line in gpus]
         receiving = receive_lines(plan.changes)
         if receiving:  # bytes per node and how long, at the rates the receivers measured
             lines += ["", "Replication, at the rates each node measured on its recent fetches:"]

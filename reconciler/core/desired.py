@@ -67,6 +67,22 @@ class Settings:
     tensor_parallel: int | Literal["auto"] | None = None
     speculative: SpeculativeSpec | None = None
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    # GPUs pinned by index: ("*", (0, 1)) for every member, (NODE, (...)) for one; () lets the planner choose.
+    gpus: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def gpus_for(self, node: str) -> tuple[int, ...] | None:
+        own = next((g for n, g in self.gpus if n == node), None)
+        return own if own is not None else next((g for n, g in self.gpus if n == "*"), None)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """`members: {count: N}`: the planner chooses N nodes from `nodes` (all when empty) that carry
+    every label in `labels` (reconciler/planning/placement.py)."""
+
+    count: int
+    nodes: tuple[str, ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +101,7 @@ class ClusterSpec:
     port: int
     settings: Settings = field(default_factory=Settings)
     pipeline: PipelineSpec | None = None  # None: every member serves the whole model
+    placement: Placement | None = None  # members chosen by the planner: `members` is then () in fleet.yaml's Desired
 
 
 @dataclass(frozen=True, slots=True)

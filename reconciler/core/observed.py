@@ -27,6 +27,9 @@ class HeldModel:
     path: str = ""  # where the agent keeps it: scrubbed from answers relayed to clients
     corrupt: str | None = None  # the agent's verification found it bad: "FILE: REASON"
     key_missing: str | None = None  # encrypted under this key id, which its agent does not hold
+    # What the KV cache is sized from, where the agent reports the model's architecture
+    # (`architecture` in its weights entry: layers, kv_heads, head_dim, kv_dtype_bytes): None when it does not.
+    arch: tuple[int, int, int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +44,9 @@ class ObservedServer:
     # What its worker asks of every request (the router sends it); its shape is the schema's, so it
     # cannot carry a line break into a request head.
     credential: str = field(default="", repr=False)
+    # The GPUs its agent gave it and the bytes reserved on each, (index, uuid, bytes), as the start
+    # asked (wire.state.ServerEntry.gpus): fleet's own share of each GPU in the planner's ledger.
+    gpus: tuple[tuple[int, str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,10 @@ class ObservedNode:
     # fingerprint(state) where it is known already: kept with the state (obscache.py) and carried
     # by brought_up (a generation covers everything a fingerprint reads).
     known_fingerprint: str = field(default="", compare=False, repr=False)
+    # Beside `gpus`, in the same order: each GPU's (index, uuid) as the inventory names them.
+    gpu_ids: tuple[tuple[int, str], ...] = ()
+    cores: int = 0  # usable CPU cores, and the memory available now: what CPU-only placement weighs
+    memory_available: int = 0
 
     @property
     def ok(self) -> bool:
@@ -123,10 +133,13 @@ def node_from_state(name: str, state: dict[str, Any]) -> ObservedNode:
         sealed = w.get("encryption") or {}
         weights[w["digest"]] = HeldModel(w["digest"], w.get("format", ""), int(w.get("bytes", 0)),
                                          sl.get("of"), sl.get("layers"), w.get("name") or "", w.get("path") or "",
-                                         corrupt, None if sealed.get("key_held", True) else str(sealed.get("key_id")))
+                                         corrupt, None if sealed.get("key_held", True) else str(sealed.get("key_id")),
+                                         _arch(w.get("architecture")))
     servers = {s["id"]: ObservedServer(s["id"], s.get("state", ""), s.get("model", ""), int(s.get("port", 0)),
                                        dict(s.get("settings") or {}), s.get("reason"),
-                                       (s.get("pipeline") or {}).get("group"), s.get("credential") or "")
+                                       (s.get("pipeline") or {}).get("group"), s.get("credential") or "",
+                                       tuple((int(g["index"]), str(g.get("uuid", "")), int(g["bytes"]))
+                                             for g in s.get("gpus") or ()))
                for s in state.get("servers", [])}
     if any("credential" in s for s in state.get("servers", [])):
         # Workers' credentials stay here, for the router: the state goes on into snapshots (fleet
@@ -142,7 +155,21 @@ def node_from_state(name: str, state: dict[str, Any]) -> ObservedNode:
         fetching=frozenset(f["digest"] for f in state.get("fetches", [])), servers=servers,
         agent_version=state.get("agent_version", ""),
         accelerator=state.get("variant", {}).get("accelerator", ""), home=inv.get("disk", {}).get("path", ""),
-        state=state, generation=state.get("generation"), known_fingerprint=fingerprint(state))
+        state=state, generation=state.get("generation"), known_fingerprint=fingerprint(state),
+        gpu_ids=tuple((int(g.get("index", i)), str(g.get("uuid", ""))) for i, g in enumerate(inv.get("gpus", []))),
+        cores=int(inv.get("cores", {}).get("usable", 0)),
+        memory_available=int(inv.get("memory", {}).get("available_bytes", 0)))
+
+
+def _arch(a: Any) -> tuple[int, int, int, int] | None:
+    """(layers, kv_heads, head_dim, kv_dtype_bytes) from a weights entry's `architecture`, if whole."""
+    if not isinstance(a, dict):
+        return None
+    try:
+        got = (int(a["layers"]), int(a["kv_heads"]), int(a["head_dim"]), int(a.get("kv_dtype_bytes", 2)))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return got if all(v > 0 for v in got) else None
 
 
 def brought_up(node: ObservedNode, values: Live | None) -> ObservedNode | None:
@@ -159,7 +186,8 @@ def brought_up(node: ObservedNode, values: Live | None) -> ObservedNode | None:
                         weights=node.weights, fetching=node.fetching, servers=node.servers,
                         agent_version=node.agent_version, accelerator=node.accelerator, home=node.home,
                         state=live.brought_up(node.state, values), generation=node.generation,
-                        known_fingerprint=node.known_fingerprint)
+                        known_fingerprint=node.known_fingerprint, gpu_ids=node.gpu_ids, cores=node.cores,
+                        memory_available=values.memory_available)
 
 
 # The fields of a node as obscache.py keeps them, by position: rebuilding a node from them costs a
@@ -171,21 +199,23 @@ def node_fields(node: ObservedNode) -> Fields:
     """What node_from_fields() takes back, with its fingerprint and no workers' credentials."""
     return (node.identity, node.observed_at, node.disk_free, node.disk_reserve, node.gpus, node.simulated,
             node.inside_window, node.windows,
-            {d: (m.digest, m.format, m.bytes, m.slice_of, m.layers, m.name, m.path, m.corrupt, m.key_missing)
+            {d: (m.digest, m.format, m.bytes, m.slice_of, m.layers, m.name, m.path, m.corrupt, m.key_missing, m.arch)
              for d, m in node.weights.items()},
             node.fetching,
-            {i: (s.id, s.state, s.model, s.port, s.settings, s.reason, s.group) for i, s in node.servers.items()},
-            node.agent_version, node.accelerator, node.home, node.generation, node.fingerprint)
+            {i: (s.id, s.state, s.model, s.port, s.settings, s.reason, s.group, "", s.gpus)
+             for i, s in node.servers.items()},
+            node.agent_version, node.accelerator, node.home, node.generation, node.fingerprint,
+            node.gpu_ids, node.cores, node.memory_available)
 
 
 def node_from_fields(name: str, state: dict[str, Any], fields: Fields) -> ObservedNode:
     """The node node_fields() was taken from (its workers' credentials aside), with `state`."""
     (identity, observed_at, disk_free, disk_reserve, gpus, simulated, inside_window, windows, weights, fetching,
-     servers, agent_version, accelerator, home, generation, known) = fields
+     servers, agent_version, accelerator, home, generation, known, gpu_ids, cores, memory_available) = fields
     return ObservedNode(name, None, None, identity, observed_at, disk_free, disk_reserve, gpus, simulated,
                         inside_window, windows, {d: HeldModel(*m) for d, m in weights.items()}, fetching,
                         {i: ObservedServer(*s) for i, s in servers.items()}, agent_version, accelerator, home,
-                        state, generation, known)
+                        state, generation, known, gpu_ids, cores, memory_available)
 
 
 def node_from_entry(name: str, entry: dict[str, Any]) -> ObservedNode:

@@ -51,6 +51,8 @@ class Plan:
     config_file: str = ""
     fingerprints: dict[str, str] = field(default_factory=dict)
     targets: tuple[str, ...] = ()
+    # Each GPU of every node this plan reserves GPU memory on (reconciler/planning/gpus.py Gpu.to_json).
+    gpus: tuple[dict[str, Any], ...] = ()
 
     @property
     def errored(self) -> bool:
@@ -73,7 +75,7 @@ class Plan:
                 "targets": list(self.targets), "errored": self.errored,
                 "summary": {a.value: self.count(a) for a in SUMMARY_ORDER},
                 "changes": [c.to_json() for c in self.changes],
-                "diagnostics": [d.to_json() for d in self.diagnostics]}
+                "diagnostics": [d.to_json() for d in self.diagnostics], "gpus": list(self.gpus)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Plan:
@@ -87,4 +89,4 @@ class Plan:
                                     x.get("address", ""), rng))
         return cls(tuple(Change.from_json(c) for c in d.get("changes", [])), tuple(diags),
                    d.get("config_digest", ""), d.get("config_file", ""), dict(d.get("fingerprints", {})),
-                   tuple(d.get("targets", ())))
+                   tuple(d.get("targets", ())), tuple(d.get("gpus", ())))

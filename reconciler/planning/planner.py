@@ -3,6 +3,7 @@ two arguments, which is what makes plans testable from files and checkable in CI
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 
 from wire.ids import replica_address, server_address, server_id, split_server_id
@@ -19,9 +20,23 @@ from reconciler.core.observed import Observed, ObservedNode
 from reconciler.planning.pipeline import StageInput, group_of, plan_group
 from reconciler.planning.order import guard, order, select
 from reconciler.planning.plan import Action, Change, Plan
+from reconciler.planning.gpus import Arch, Ledger, arch_of, estimate, gib
 from reconciler.planning.weights import Want, model_bytes
 
-VRAM_HEADROOM = 1.2  # weights plus a fifth for the KV cache and activations: an estimate, said as such
+
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """A start or replace on a node with GPUs, waiting for its GPUs (assigned once every change is known)."""
+
+    at: int  # its index in the planner's changes
+    node: str
+    sid: str
+    fmt: str
+    weights: int
+    arch: Arch | None
+    settings: ServerSettings
+    pinned: tuple[int, ...] | None
+    layers: int | None = None  # a pipeline stage: how many of the model's layers it holds
 
 
 def plan(desired: Desired, observed: Observed, *, targets: tuple[str, ...] = (),
@@ -40,7 +55,8 @@ def plan(desired: Desired, observed: Observed, *, targets: tuple[str, ...] = (),
     diags += guarded.said_for(changes)
     diags += [d for d in too_long if d.address in {c.address for c in changes}]
     fingerprints = {n: o.fingerprint for n, o in observed.nodes.items() if o.ok}
-    return Plan(tuple(changes), tuple(diags), config_digest, config_file, fingerprints, targets)
+    return Plan(tuple(changes), tuple(diags), config_digest, config_file, fingerprints, targets,
+                tuple(p.ledger.to_json()))
 
 
 class _Planner:
@@ -51,6 +67,8 @@ class _Planner:
         self.changes: list[Change] = []
         self.diags: list[Diagnostic] = []
         self.ok: dict[str, ObservedNode] = {}
+        self.ledger = Ledger(self.ok)
+        self.asks: list[_Ask] = []
 
     # ---- nodes ----
 
@@ -133,7 +151,7 @@ class _Planner:
                 if obs is None:
                     continue
                 settings = self.resolve_settings(c, node, obs)
-                self.check_vram(c, node, obs, model, settings)
+                pinned = c.settings.gpus_for(node)
                 host = self.d.nodes[node].address
                 details = StartDetails(cluster=c.name, server_id=sid, model=model.name, digest=model.digest,
                                        port=c.port, host=host, settings=settings)
@@ -158,6 +176,9 @@ class _Planner:
                         diffs.insert(0, f"model {current.model[:19]}… → {model.digest[:19]}…")
                     if current.port != c.port:
                         diffs.insert(0, f"port {current.port} → {c.port}")
+                    given = sorted(g[0] for g in current.gpus)
+                    if pinned is not None and current.gpus and given != sorted(pinned):
+                        diffs.append(f"gpus {','.join(map(str, given))} → {','.join(map(str, sorted(pinned)))}")
                     held = obs.weights.get(current.model)
                     corrupt = held.corrupt if held is not None else None
                     if diffs or corrupt:
@@ -175,6 +196,9 @@ class _Planner:
                         address=address))
                     continue
                 if change is not None:
+                    if obs.gpus:
+                        self.asks.append(_Ask(len(self.changes), node, sid, model.format, model_bytes(model, self.o),
+                                              arch_of(model.digest, self.o), settings, pinned))
                     self.changes.append(change)
                     previous = address
         return desired_ids
@@ -194,7 +218,6 @@ class _Planner:
             if obs is None or want is None or want.layers is None or (model.encrypted and node != self.cp):
                 continue  # the node's or the slice's own diagnostic says why
             settings = self.resolve_settings(c, node, obs)
-            self.check_vram(c, node, obs, model, settings, want.bytes)
             address = replica_address(want.address_model, node)
             stages.append(StageInput(node, self.d.nodes[node].address, want.layers, want.digest, settings,
                                      (address,) if address in replicating else (), obs.servers.get(
@@ -208,21 +231,53 @@ class _Planner:
                                     f"(0-{total - 1})", "The last stage's slice must end at the model's last layer.",
                                     address=server_address(c.name, stages[-1].node)))
             return ids
-        self.changes += plan_group(c, model, stages, settings_diff)
+        arch = arch_of(model.digest, self.o)
+        sized = {w.digest: w for n in c.members for w in wants[n].values() if w.layers is not None}
+        for change in plan_group(c, model, stages, settings_diff):
+            obs = self.ok[change.node]
+            want = sized.get(change.details["digest"])
+            if obs.gpus and want is not None and want.layers is not None:
+                self.asks.append(_Ask(len(self.changes), change.node, change.details["server_id"], model.format,
+                                      want.bytes, arch, change.details["settings"],
+                                      c.settings.gpus_for(change.node), want.layers.count))
+            self.changes.append(change)
         return ids
 
-    def check_vram(self, c: ClusterSpec, node: str, obs: ObservedNode, model: ModelSpec,
-                   settings: ServerSettings, weights_bytes: int | None = None) -> None:
-        if not obs.gpus:
-            return
-        n = int(settings.get("tensor_parallel") or len(obs.gpus))
-        free = sum(sorted((g[1] for g in obs.gpus), reverse=True)[:n])
-        need = int((model_bytes(model, self.o) if weights_bytes is None else weights_bytes) * VRAM_HEADROOM)
-        if need > free:
-            self.diags.append(error("insufficient_vram", f"{model.name!r} needs about {need / 2**30:.1f} GiB of "
-                                    f"VRAM on {node!r} (weights + {int((VRAM_HEADROOM - 1) * 100)}% estimated for "
-                                    f"context) but its {n} GPU(s) have {free / 2**30:.1f} GiB free",
-                                    address=server_address(c.name, node)))
+    def assign_gpus(self) -> None:
+        """Every start and replace on a node with GPUs given its GPUs, once every change is known:
+        what this plan replaces or stops gives its share back first; replaces take theirs before
+        starts (they run first); a change taking memory a replace gave back waits for that replace."""
+        replacing = {(ch.node, ch.details["server_id"]): ch.address for ch in self.changes
+                     if ch.action is Action.REPLACE and "server_id" in ch.details}
+        for ch in self.changes:
+            if ch.action is Action.STOP:
+                self.ledger.release(ch.node, ch.details["server_id"])
+        for node, sid in replacing:
+            self.ledger.release(node, sid)
+        for ask in sorted(self.asks, key=lambda a: self.changes[a.at].action is not Action.REPLACE):
+            ch = self.changes[ask.at]
+            n = len(ask.pinned) if ask.pinned else int(ask.settings.get("tensor_parallel") or 1)
+            vram = estimate(ask.fmt, ask.weights, ask.arch, ask.settings, n, ask.layers)
+            got = self.ledger.assign(ask.node, ask.sid, vram["total_bytes"], n, ask.pinned)
+            if got.shares is None:
+                name = ch.details["model"]
+                self.diags.append(error(got.code, f"{name!r} needs about {gib(vram['total_bytes'])} of VRAM on "
+                                        f"{ask.node!r} over {n} GPU(s) (weights {gib(vram['weights_bytes'])} + KV "
+                                        f"cache {gib(vram['kv_cache_bytes'])} + overhead "
+                                        f"{gib(vram['overhead_bytes'])}): {got.problem}",
+                                        f"KV cache: {vram['basis']}.", address=ch.address))
+                self.changes[ask.at] = Change(ch.action, ch.address, ch.node, ch.reason, ch.depends_on,
+                                              {**ch.details, "vram": vram}, ch.drift)
+                continue
+            deps = ch.depends_on
+            if "pipeline" not in ch.details:
+                chosen = {s["index"] for s in got.shares}
+                deps += tuple(dict.fromkeys(
+                    replacing[(ask.node, other)] for g in self.ledger.gpus(ask.node) if g.index in chosen
+                    for other in sorted(g.released) if (ask.node, other) in replacing and other != ask.sid
+                    and replacing[(ask.node, other)] not in deps))
+            self.changes[ask.at] = Change(ch.action, ch.address, ch.node, ch.reason, deps,
+                                          {**ch.details, "gpus": got.shares, "vram": vram}, ch.drift)
 
     # ---- drift ----
 
@@ -288,4 +343,5 @@ class _Planner:
         self.changes += plan_weights.replicate(self.d, self.ok, wants, self.diags)
         desired_ids = self.servers(wants)
         self.drift(wants, desired_ids)
+        self.assign_gpus()
         self.windows()

@@ -128,7 +128,7 @@ FIELDS = node_fields(SEEN.nodes["n"])
     FIELDS[:3],  # too few
     FIELDS[:8] + ("not a mapping",) + FIELDS[9:],  # the weights
     FIELDS[:8] + ({"sha256:x": ("sha256:x",)},) + FIELDS[9:],  # a weights entry short of its fields
-    FIELDS[:10] + ({"s": (1, 2, 3, 4, 5, 6, 7, 8, 9)},) + FIELDS[11:],  # a server with too many
+    FIELDS[:10] + ({"s": (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)},) + FIELDS[11:],  # a server with too many
 ], ids=["too-few", "weights-not-a-mapping", "weights-entry-short", "server-too-long"])
 def test_nodes_that_do_not_rebuild_are_ignored_with_a_warning(tmp_path: Path, fields: tuple[Any, ...]) -> None:
     warnings: list[str] = []

@@ -1,0 +1,242 @@
+"""Each GPU's memory as the plan sees it, and the GPUs each server is given. Pure, like the planner.
+
+Per node and GPU, the ledger holds what its agent measured (total and free, NVML's figures), what
+fleet's own servers there reserve (each server reports the GPUs it was given and the bytes on each,
+wire.state.ServerEntry.gpus), what processes that are not fleet's hold (`others`: what is used
+beyond fleet's reservations), and what this plan adds. A running server that stays as it is is never
+checked against its own memory: its reservation is simply kept. A replace, or a server this plan
+stops, gives its share back before anything is taken; new servers on one node add up.
+
+What a server needs is estimated from the model (estimate()): the weights as loaded (the bytes its
+agent holds: the stored dtype, or the GGUF's quantisation), the KV cache for its context length and
+concurrent sequences (from the model's architecture where the agent reports it, or the tensors of
+a full manifest the planner holds; otherwise a fifth of the weights, said as such), and the
+engine's overhead per GPU. The total is split evenly over the server's GPUs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from wire.plan_details import GpuShare, ServerSettings, VramEstimate
+
+from reconciler.core.observed import Observed, ObservedNode
+
+GIB = 1 << 30
+MIB = 1 << 20
+# The CUDA context, cuBLAS/cuDNN workspaces and the allocator's slack, per GPU a server uses: what a
+# torch or llama.cpp process holds before its first tensor (300-500 MiB measured on CUDA 12), rounded up.
+ENGINE_OVERHEAD = 512 * MIB
+# What the workers use when the cluster sets no context length (agent/backends/torch/worker.py:
+# 2,048 or the model's own limit, whichever is less; llama.cpp's worker the same), and how many
+# sequences each keeps at once (the torch engine's --max-batch default; llama.cpp serves one).
+DEFAULT_CONTEXT = 2048
+SEQUENCES = {"safetensors": 16, "gguf": 1}
+UNKNOWN_KV_FRACTION = 0.2  # the seed's rule, for a model whose architecture nothing reported
+ACTIVE = ("starting", "running")  # a server in another state holds no GPU memory
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1}
+_K_PROJ = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.0\.(?:self_attn|attn|attention)\.(?:k_proj|key)\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    """What the KV cache is sized from: per token, layers x 2 (K and V) x kv_width x elem bytes."""
+
+    layers: int
+    kv_width: int  # KV heads x head size
+    elem_bytes: int  # the cache's dtype
+    source: str  # where these came from, for `basis`
+
+
+def arch_of(digest: str, o: Observed) -> Arch | None:
+    """The architecture of model `digest`: as an agent reports it with the weights, else from the
+    tensors of its full manifest where the planner holds one (the shape of layer 0's K projection)."""
+    for obs in o.nodes.values():
+        held = obs.weights.get(digest)
+        if held is not None and held.arch is not None:
+            layers, heads, head_dim, elem = held.arch
+            return Arch(layers, heads * head_dim, elem, f"{heads} KV heads x {head_dim}, as its agent reports")
+    manifest = o.manifests.get(digest)
+    return manifest_arch(manifest) if manifest else None
+
+
+def manifest_arch(manifest: Mapping[str, Any]) -> Arch | None:
+    layers = manifest.get("layers")
+    if not isinstance(layers, int) or layers <= 0:
+        return None
+    for f in manifest.get("files", ()):
+        for t in f.get("tensors") or ():
+            if _K_PROJ.search(t.get("name", "")) and t.get("shape"):
+                elem = _DTYPE_BYTES.get(str(t.get("dtype")), 2)
+                return Arch(layers, int(t["shape"][0]), elem, "KV width from the K projection's shape in the manifest")
+    return None
+
+
+def estimate(fmt: str, weights: int, arch: Arch | None, settings: ServerSettings, gpus: int,
+             layers: int | None = None) -> VramEstimate:
+    """What a server of `weights` bytes needs over `gpus` GPUs; `layers`: a pipeline stage's share
+    of the model's layers (its KV cache holds only those)."""
+    tokens = int(settings.get("context_length") or DEFAULT_CONTEXT)
+    seqs = SEQUENCES.get(fmt, 1)
+    told = "" if settings.get("context_length") else " (the workers' default)"
+    if arch is not None:
+        n = layers if layers is not None else arch.layers
+        kv = n * 2 * arch.kv_width * arch.elem_bytes * tokens * seqs
+        basis = (f"{n} layers x 2 x {arch.kv_width} KV width x {arch.elem_bytes}-byte cache x {tokens:,} "
+                 f"tokens{told} x {seqs} sequence{'s' if seqs > 1 else ''} ({arch.source})")
+    else:
+        kv = int(weights * UNKNOWN_KV_FRACTION)
+        basis = ("architecture not reported (no layers, KV heads or head size): KV cache and activations taken "
+                 f"as a fifth of the weights; context {tokens:,} tokens{told}")
+    overhead = ENGINE_OVERHEAD * gpus
+    return VramEstimate(weights_bytes=weights, kv_cache_bytes=kv, overhead_bytes=overhead,
+                        total_bytes=weights + kv + overhead, basis=basis)
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+@dataclass(slots=True)
+class Gpu:
+    """One GPU of one node in the ledger."""
+
+    index: int
+    uuid: str
+    name: str
+    total: int
+    free: int
+    held: dict[str, int]  # server id -> bytes its agent reserved for it here (servers starting or running)
+    others: int  # used by processes that are not fleet's: total - free - fleet's reservations, at least 0
+    released: set[str] = field(default_factory=set)  # servers this plan replaces or stops
+    planned: dict[str, int] = field(default_factory=dict)  # server id -> bytes this plan reserves
+
+    @property
+    def fleet(self) -> int:
+        return sum(b for s, b in self.held.items() if s not in self.released)
+
+    @property
+    def after(self) -> int:
+        """Free for further servers once this plan's reservations are made (may go negative)."""
+        return self.total - self.others - self.fleet - sum(self.planned.values())
+
+    def picture(self, node: str) -> str:
+        return picture(self.to_json(node))
+
+    def to_json(self, node: str) -> dict[str, Any]:
+        return {"node": node, "index": self.index, "uuid": self.uuid, "total_bytes": self.total,
+                "free_bytes": self.free, "others_bytes": self.others,
+                "fleet": [{"server": s, "bytes": b} for s, b in sorted(self.held.items()) if s not in self.released],
+                "freed": [{"server": s, "bytes": self.held[s]} for s in sorted(self.released) if s in self.held],
+                "plan": [{"server": s, "bytes": b} for s, b in self.planned.items()],
+                "free_after_bytes": self.after}
+
+
+def picture(row: Mapping[str, Any]) -> str:
+    """One GPU's row of a plan's `gpus` in words: `gpu-a GPU 1: 80.0 GiB, fleet 62.3 GiB (chat),
+    others 1.1 GiB, this plan +14.0 GiB (code); 2.6 GiB free after this plan`."""
+    fleet, freed, planned = row["fleet"], row["freed"], row["plan"]
+    line = f"{row['node']} GPU {row['index']}: {gib(row['total_bytes'])}, fleet {gib(sum(f['bytes'] for f in fleet))}"
+    line += f" ({', '.join(_cluster(f['server']) for f in fleet)})" if fleet else ""
+    line += f", others {gib(row['others_bytes'])}"
+    if planned:
+        line += (f", this plan +{gib(sum(p['bytes'] for p in planned))} "
+                 f"({', '.join(_cluster(p['server']) for p in planned)})")
+    if freed:
+        line += f", freed {gib(sum(f['bytes'] for f in freed))} ({', '.join(_cluster(f['server']) for f in freed)})"
+    return line + f"; {gib(row['free_after_bytes'])} free after this plan"
+
+
+def _cluster(sid: str) -> str:
+    return sid.rpartition("@")[0] or sid
+
+
+@dataclass(frozen=True, slots=True)
+class Assigned:
+    """The GPUs a server was given (None: it does not fit; `problem` says why, naming the GPUs)."""
+
+    shares: list[GpuShare] | None
+    problem: str = ""
+    code: str = "insufficient_vram"
+
+
+class Ledger:
+    """The GPUs of every node that answered, built per node when first asked."""
+
+    def __init__(self, nodes: Mapping[str, ObservedNode]) -> None:
+        self.nodes = nodes
+        self._gpus: dict[str, list[Gpu]] = {}
+        self.touched: dict[str, None] = {}  # nodes this plan reserves on, in the order it did
+
+    def gpus(self, node: str) -> list[Gpu]:
+        got = self._gpus.get(node)
+        if got is None:
+            got = self._gpus[node] = _build(self.nodes[node]) if node in self.nodes else []
+        return got
+
+    def release(self, node: str, sid: str) -> None:
+        """`sid`'s reservations on `node` given back (it is replaced or stopped by this plan)."""
+        for g in self.gpus(node):
+            if sid in g.held:
+                g.released.add(sid)
+
+    def assign(self, node: str, sid: str, need: int, n: int, pinned: tuple[int, ...] | None) -> Assigned:
+        """`n` GPUs for server `sid` needing `need` bytes in all (need / n on each), best fit: the GPUs
+        with the least memory left after this plan that still hold their share, ties by index; or
+        exactly the `pinned` ones. Reserved in the ledger when they fit."""
+        gpus = self.gpus(node)
+        share = -(-need // max(1, n))
+        if pinned:
+            by_index = {g.index: g for g in gpus}
+            missing = [i for i in pinned if i not in by_index]
+            if missing:
+                return Assigned(None, f"fleet.yaml pins GPU {', '.join(map(str, missing))} on {node!r}, which "
+                                f"reports {len(gpus)} GPU(s) ({', '.join(str(g.index) for g in gpus)})",
+                                "gpu_not_found")
+            chosen = [by_index[i] for i in pinned]
+            short = [g for g in chosen if g.after < share]
+            if short:
+                self.touched[node] = None
+                return Assigned(None, f"the pinned GPU(s) {', '.join(str(g.index) for g in chosen)} need "
+                                f"{gib(share)} each, but " + "; ".join(g.picture(node) for g in short))
+        else:
+            if n > len(gpus):
+                return Assigned(None, f"it asks for {n} GPUs together, but {node!r} reports {len(gpus)}",
+                                "insufficient_gpus")
+            fits = sorted((g for g in gpus if g.after >= share), key=lambda g: (g.after, g.index))
+            if len(fits) < n:
+                self.touched[node] = None
+                what = "no GPU" if n == 1 else f"only {len(fits)} of the {n} GPUs it needs"
+                return Assigned(None, f"{what} of {node!r} {'has' if n == 1 else 'have'} {gib(share)}"
+                                f"{' each' if n > 1 else ''} free after this plan: "
+                                + "; ".join(g.picture(node) for g in gpus))
+            chosen = sorted(fits[:n], key=lambda g: g.index)
+        for g in chosen:
+            g.planned[sid] = share
+        self.touched[node] = None
+        return Assigned([GpuShare(index=g.index, uuid=g.uuid, bytes=share) for g in chosen])
+
+    def pictures(self) -> list[str]:
+        return [g.picture(node) for node in self.touched for g in self.gpus(node)]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [g.to_json(node) for node in self.touched for g in self.gpus(node)]
+
+    def best_after(self, node: str) -> int:
+        """The most any one GPU of `node` has free after this plan (0 without GPUs)."""
+        return max((g.after for g in self.gpus(node)), default=0)
+
+
+def _build(obs: ObservedNode) -> list[Gpu]:
+    ids = obs.gpu_ids if len(obs.gpu_ids) == len(obs.gpus) else tuple((i, "") for i in range(len(obs.gpus)))
+    held: dict[int, dict[str, int]] = {}
+    for sid, srv in obs.servers.items():
+        if srv.state in ACTIVE:
+            for index, _uuid, b in srv.gpus:
+                held.setdefault(index, {})[sid] = b
+    out = []
+    for (name, free, total), (index, uuid) in zip(obs.gpus, ids):
+        mine = held.get(index, {})
+        out.append(Gpu(index, uuid, name, total, free, dict(mine), max(0, total - free - sum(mine.values()))))
+    return out

@@ -1,0 +1,71 @@
+"""The planner's per-GPU ledger and VRAM estimate (reconciler/planning/gpus.py), beside the golden
+cases (tests/cases/gpu-*) that show them in whole plans."""
+
+from __future__ import annotations
+
+from reconciler.core.observed import ObservedNode, ObservedServer
+from reconciler.planning.gpus import ENGINE_OVERHEAD, Arch, Ledger, estimate, manifest_arch
+from tests.golden import CASES, run_case
+
+GIB = 1 << 30
+
+
+def test_the_kv_cache_is_sized_from_the_architecture_and_the_settings() -> None:
+    # Llama-3-8B: 32 layers, 8 KV heads of 128, an f16 cache: 128 KiB a token.
+    arch = Arch(32, 8 * 128, 2, "as reported")
+    v = estimate("safetensors", 15 * GIB, arch, {"context_length": 8192}, 2)
+    assert v["kv_cache_bytes"] == 32 * 2 * 1024 * 2 * 8192 * 16  # 16 sequences: the torch engine's batch
+    assert v["overhead_bytes"] == 2 * ENGINE_OVERHEAD
+    assert v["total_bytes"] == v["weights_bytes"] + v["kv_cache_bytes"] + v["overhead_bytes"]
+    assert "32 layers x 2 x 1024 KV width x 2-byte cache x 8,192 tokens x 16 sequences" in v["basis"]
+    one = estimate("gguf", 15 * GIB, arch, {}, 1)  # llama.cpp: one sequence, the workers' default context
+    assert one["kv_cache_bytes"] == 32 * 2 * 1024 * 2 * 2048 and "default" in one["basis"]
+    stage = estimate("safetensors", 5 * GIB, arch, {}, 1, layers=8)  # a stage caches only its layers
+    assert stage["kv_cache_bytes"] == 8 * 2 * 1024 * 2 * 2048 * 16
+
+
+def test_without_an_architecture_the_estimate_says_what_it_assumed() -> None:
+    v = estimate("safetensors", 10 * GIB, None, {}, 1)
+    assert v["kv_cache_bytes"] == 2 * GIB and "architecture not reported" in v["basis"]
+
+
+def test_the_kv_width_is_read_from_a_full_manifests_k_projection() -> None:
+    manifest = {"layers": 30, "files": [{"path": "model.safetensors", "tensors": [
+        {"name": "model.layers.0.self_attn.q_proj.weight", "dtype": "BF16", "shape": [576, 576]},
+        {"name": "model.layers.0.self_attn.k_proj.weight", "dtype": "BF16", "shape": [192, 576]}]}]}
+    arch = manifest_arch(manifest)
+    assert arch is not None and (arch.layers, arch.kv_width, arch.elem_bytes) == (30, 192, 2)
+    assert manifest_arch({"layers": 30, "files": []}) is None
+
+
+def node(*gpus: tuple[int, int], servers: dict[str, ObservedServer] | None = None) -> ObservedNode:
+    return ObservedNode("a", gpus=tuple(("GPU", free, total) for free, total in gpus),
+                        gpu_ids=tuple((i, f"GPU-{i}") for i in range(len(gpus))), servers=servers or {})
+
+
+def test_others_are_what_is_used_beyond_fleets_reservations_and_a_replace_gives_its_share_back() -> None:
+    held = ObservedServer("chat@a", "running", "sha256:x", 9000, {}, gpus=((0, "GPU-0", 60 * GIB),))
+    ledger = Ledger({"a": node((15 * GIB, 80 * GIB), servers={"chat@a": held})})
+    (g,) = ledger.gpus("a")
+    assert (g.fleet, g.others, g.after) == (60 * GIB, 5 * GIB, 15 * GIB)
+    assert ledger.assign("a", "code@a", 20 * GIB, 1, None).shares is None
+    ledger.release("a", "chat@a")
+    got = ledger.assign("a", "chat@a", 70 * GIB, 1, None).shares
+    assert got == [{"index": 0, "uuid": "GPU-0", "bytes": 70 * GIB}] and g.after == 5 * GIB
+
+
+def test_best_fit_ties_go_to_the_lower_index_and_the_same_inputs_give_the_same_gpus() -> None:
+    def pick() -> list[int]:
+        ledger = Ledger({"a": node((40 * GIB, 80 * GIB), (30 * GIB, 80 * GIB), (30 * GIB, 80 * GIB))})
+        return [s["index"] for s in ledger.assign("a", "c@a", 20 * GIB, 1, None).shares or []]
+    assert pick() == pick() == [1]
+
+
+def test_a_plans_json_carries_each_part_of_the_estimate() -> None:
+    plan = run_case(CASES / "gpu-kv-cache-from-architecture")
+    (start,) = plan.changes
+    vram = start.details["vram"]
+    assert vram["kv_cache_bytes"] == 32 * 2 * 8 * 128 * 2 * 32768 * 16 == 64 * GIB
+    assert "8 KV heads x 128, as its agent reports" in vram["basis"]
+    assert start.details["gpus"] == [{"index": 0, "uuid": "GPU-0", "bytes": vram["total_bytes"]}]
+    assert [row["index"] for row in plan.to_json()["gpus"]] == [0, 1]
