@@ -71,12 +71,21 @@ def _links(seen: ObservedNode, specs: dict[str, NodeSpec]) -> str:
                      for r in rates) or "-"
 
 
+def _gpu_servers(seen: ObservedNode, position: int, free: int, total: int) -> str:
+    index = seen.gpu_ids[position][0] if position < len(seen.gpu_ids) else position
+    held = [f"{sid.rpartition('@')[0]} {_gib(b)}" for sid, srv in seen.servers.items() for i, _, b in srv.gpus
+            if i == index and srv.state in ("starting", "running")]
+    return f"{index}: {_gib(free)}/{_gib(total)}" + (f" ({', '.join(held)})" if held else "")
+
+
 def _columns(name: str, seen: ObservedNode | None, spec: NodeSpec | None, wide: bool,
              specs: dict[str, NodeSpec] | None = None) -> list[str]:
     """GPUS, MODELS and, when wide, ADDRESS … LINKS of one node ("-" where nothing was seen)."""
     if seen is None:
         seen = ObservedNode(name)
     gpus = ", ".join(f"{_gib(free)}/{_gib(total)}" for _, free, total in seen.gpus)
+    if wide and seen.gpus:  # each GPU by index, with the servers its agent gave it and what each reserves
+        gpus = ", ".join(_gpu_servers(seen, i, free, total) for i, (_, free, total) in enumerate(seen.gpus))
     models = ", ".join((w.name or w.digest[7:19]) + (f"[{w.layers}]" if w.slice_of else "")
                        for w in seen.weights.values())
     row = [gpus or "-", models or "-"]

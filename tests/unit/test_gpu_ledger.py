@@ -69,3 +69,13 @@ def test_a_plans_json_carries_each_part_of_the_estimate() -> None:
     assert "8 KV heads x 128, as its agent reports" in vram["basis"]
     assert start.details["gpus"] == [{"index": 0, "uuid": "GPU-0", "bytes": vram["total_bytes"]}]
     assert [row["index"] for row in plan.to_json()["gpus"]] == [0, 1]
+
+
+def test_nodes_wide_shows_each_gpus_servers() -> None:
+    from reconciler.cli.tables import _columns
+
+    servers = {"chat@a": ObservedServer("chat@a", "running", "sha256:x", 9000, {}, gpus=((1, "GPU-1", 60 * GIB),)),
+               "old@a": ObservedServer("old@a", "failed", "sha256:x", 9001, {}, gpus=((1, "GPU-1", 9 * GIB),))}
+    seen = node((80 * GIB, 80 * GIB), (15 * GIB, 80 * GIB), servers=servers)
+    assert _columns("a", seen, None, True)[0] == "0: 80.0/80.0, 1: 15.0/80.0 (chat 60.0)"
+    assert _columns("a", seen, None, False)[0] == "80.0/80.0, 15.0/80.0"
