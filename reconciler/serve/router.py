@@ -86,6 +86,7 @@ class RelayStream(Response):
         # The worker may stay silent for `timeout`. Moving a deadline costs trio a heap push, so it
         # is moved at most every `step` seconds: silence is measured to within that step.
         step, moved = min(1.0, timeout / 4), -math.inf
+        prev = last = b""  # the stream's last pieces: its usage chunk, for the status page's tokens
         try:
             with trio.CancelScope() as silence:
                 while True:
@@ -99,6 +100,7 @@ class RelayStream(Response):
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
                         sent.inc(len(out))
+                        prev, last = last, out
             if silence.cancelled_caught:
                 raise upstream.UpstreamError(f"it sent nothing for {timeout:g}s", started=True)
             tail = scrub.flush()
@@ -110,6 +112,7 @@ class RelayStream(Response):
         if tail:
             await send({"type": "http.response.body", "body": tail, "more_body": True})
             sent.inc(len(tail))
+        self.router.metrics.answered(self.sid.partition("@")[0], prev + last + tail)
 
 
 def api_error(status: int, code: str, message: str) -> JSONResponse:
@@ -117,6 +120,8 @@ def api_error(status: int, code: str, message: str) -> JSONResponse:
 
 
 class Router:
+    ui: ASGIApp | None = None  # the status page (serve/ui/app.py), answering /ui and /ui/... when set
+
     def __init__(self, desired: Desired, view: View, *, api_keys: list[str] | None = None,
                  transport: httpx.AsyncBaseTransport | None = None, timeout: float = 300.0,
                  metrics: ServeMetrics | None = None, refresh: Refresh | None = None) -> None:
@@ -254,8 +259,14 @@ class Router:
     # ---- relaying ----
 
     async def relay(self, request: Request) -> Response:
+        started = trio.current_time()
         response = await self._relay(request)
-        self.metrics.requests.labels(getattr(request.state, "cluster", "-"), str(response.status_code)).inc()
+        cluster = getattr(request.state, "cluster", "-")
+        self.metrics.requests.labels(cluster, str(response.status_code)).inc()
+        if cluster != "-" and response.status_code < 400:
+            self.metrics.latency.labels(cluster).observe(trio.current_time() - started)
+            if not isinstance(response, RelayStream):
+                self.metrics.answered(cluster, bytes(response.body))
         return response
 
     async def _relay(self, request: Request) -> Response:
@@ -347,6 +358,9 @@ class Router:
         async def fast(scope: Scope, receive: Receive, send: Send) -> None:
             # The relayed routes skip Starlette's routing and per-message exception wrappers:
             # at thousands of chunks a second they were a measurable share of the router's CPU.
+            if self.ui is not None and scope["type"] == "http" and (scope["path"] + "/").startswith("/ui/"):
+                await self.ui(scope, receive, send)
+                return
             if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in RELAYED:
                 response = await relay(Request(scope, receive))
                 await response(scope, receive, send)

@@ -29,6 +29,7 @@ from reconciler.serve.heartbeat import Heartbeat, View
 from reconciler.serve.metrics import ServeMetrics
 from reconciler.serve.router import Router
 from reconciler.serve.streams import ServerTls, TlsFiles
+from reconciler.serve.ui.app import StatusPage, store_history
 
 log = logging.getLogger("fleet")
 
@@ -102,6 +103,7 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
         # A worker restarted between beats refuses the credential the router holds: its agent is asked again.
         router = Router(desired, view, api_keys=keys, metrics=metrics,
                         refresh=roles.refresh if roles else heartbeat.refresh)
+        router.ui = StatusPage(desired, view, metrics, store_history(store.sql.execute), router.keys)  # /ui
         watcher = (DrainWatcher(drains, view, router.in_flight, roles.refresh if roles else heartbeat.refresh,
                                 on_change=metrics.draining.set,
                                 wait=(lambda limit: notifier.wait(DrainRows.CHANNEL, limit)) if notifier
