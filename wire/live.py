@@ -42,8 +42,8 @@ def decode(raw: bytes | str) -> Live | None:
                 and type(gpus) is list and type(uptimes) is list
                 and all(type(g) is int and g >= 0 for g in gpus) and all(type(u) in _NUMBER for u in uptimes)):
             return Live(at, memory, disk, tuple(gpus), tuple(uptimes))
-    except (ValueError, TypeError):  # not JSON (UnicodeDecodeError is a ValueError), or not five values
-        pass
+    except (ValueError, TypeError, RecursionError):
+        pass  # not JSON (UnicodeDecodeError is a ValueError), not five values, or nested past the recursion limit
     return None
 
 

@@ -18,6 +18,7 @@ import trio
 from wire import live
 from wire.live import Live
 
+from reconciler.agents import bounded
 from reconciler.agents.errors import AgentError, AgentHTTPError, AgentProtocolError, NodeAuthRejected, NodeTlsFailed, NodeUnreachable, NotAnAgent, cause, excerpt
 from reconciler.core.diagnostics import format_path
 from reconciler.core.desired import NodeSpec
@@ -153,6 +154,8 @@ class AgentClient:
                 out.append(NodeUnreachable(node, cause(exc)))
             except (AgentError, TimedOut) as exc:
                 out.append(exc)
+            except Exception as exc:  # one answer that breaks the reading is its node's error, not the batch's
+                out.append(AgentProtocolError(node, f"an answer that could not be read ({type(exc).__name__})"))
         return out
 
     async def manifest(self, node: NodeSpec, digest: str) -> bytes:
@@ -224,24 +227,26 @@ def _answer(node: NodeSpec, status: int, content: bytes, *, raw: bool = False, o
     if raw:
         return content
     try:
-        return json.loads(content)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        return bounded.loads(content)
+    except bounded.NotJson:
         raise NotAnAgent(node, *request, status, " with a body that is not JSON", content) from None
+    except bounded.Unbounded as exc:
+        raise AgentProtocolError(node, exc.problem, exc.field) from None
 
 
 def _error_code(content: bytes) -> str | None:
     """The stable code of an agent's error answer (model_not_held, server_exists, ...)."""
     try:
-        code = json.loads(content)["error"]["code"]
+        code = bounded.loads(content)["error"]["code"]
         return code if isinstance(code, str) else None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):  # bounded.Unbounded is a ValueError
         return None
 
 
 def _error_message(content: bytes) -> str | None:
     """The message of an agent's error answer; None for anything else."""
     try:
-        error = json.loads(content)["error"]
+        error = bounded.loads(content)["error"]
         return str(error["message"]) if isinstance(error, dict) else None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):  # bounded.Unbounded is a ValueError
         return None

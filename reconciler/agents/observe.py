@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
+import logging
 import math
 from contextlib import contextmanager
 from typing import Any, Collection, Iterator, Mapping, Protocol, Sequence
 
 import trio
 
+from reconciler.agents import bounded
 from reconciler.agents.batch import TimedOut
 from reconciler.agents.client import AgentClient, AgentError, Unchanged
 from reconciler.core.desired import Desired
 from reconciler.core.observed import Observed, ObservedNode, brought_up, node_from_state
+
+log = logging.getLogger("fleet")
 
 DEFAULT_CONCURRENCY = 64
 DEFAULT_TIMEOUT_S = 10.0
@@ -53,6 +56,14 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
         before = known.get(name)
         return before.generation if before is not None and before.ok else None
 
+    def misread(name: str, exc: Exception) -> ObservedNode:
+        """A node whose answer broke something the bounds (bounded.py) and the schema should have
+        caught: logged whole for the bug report, and an error of that node alone."""
+        spec = desired.nodes[name]
+        log.error("the answer of node %r could not be read", name, exc_info=exc)
+        return ObservedNode(name, "agent_protocol_error", f"node {name!r} at {spec.address}:{spec.agent_port} "
+                            f"answered a state that could not be read ({type(exc).__name__}: {str(exc)[:200]})")
+
     def unreachable(name: str) -> ObservedNode:
         spec = desired.nodes[name]
         return ObservedNode(name, "node_unreachable", f"node {name!r} at {spec.address}:{spec.agent_port} did not "
@@ -74,7 +85,10 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
         elif isinstance(answer, AgentError):
             nodes[name] = ObservedNode(name, answer.code, answer.message)
         else:
-            nodes[name] = node_from_state(name, answer)
+            try:
+                nodes[name] = node_from_state(name, answer)
+            except Exception as exc:  # a state the schema let through and we cannot read: this node's error
+                nodes[name] = misread(name, exc)
         return True
 
     async def batch(asks: Sequence[tuple[str, str | None]]) -> None:
@@ -91,6 +105,8 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
                 settle(name, await client.state(spec, timeout=math.inf))
         except AgentError as exc:
             nodes[name] = ObservedNode(name, exc.code, exc.message)
+        except Exception as exc:  # whatever one agent's answer does, the other nodes are still observed
+            nodes[name] = misread(name, exc)
 
     async def worker() -> None:
         # A fixed pool of workers taking the next node: at 10,000 nodes, 10,000 tasks parked on a
@@ -126,7 +142,10 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
             except (AgentError, trio.TooSlowError):
                 continue
             if "sha256:" + hashlib.sha256(body).hexdigest() == m.digest:
-                fetched[m.digest] = json.loads(body)
+                try:
+                    fetched[m.digest] = bounded.loads(body)
+                except bounded.Unbounded:
+                    continue  # the right bytes, yet no manifest: as if that holder had none
     return Observed({name: nodes[name] for name in sorted(nodes)}, {m.digest: fetched[m.digest] for m in sliced if m.digest in fetched})
 
 
