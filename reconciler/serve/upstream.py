@@ -7,6 +7,7 @@ behind, chunks coalesce instead of queueing, and nothing waits for more bytes th
 
 from __future__ import annotations
 
+import re
 import socket
 from typing import AsyncIterator
 
@@ -18,6 +19,15 @@ from reconciler.agents import sockio
 
 READ = 64 * 1024
 CONNECT_TIMEOUT = 5.0
+# A chunk-size line as llhttp takes it (RFC 9112 7.1): hex digits, at most 16 after any leading
+# zeros (llhttp refuses a size past 64 bits), then extensions, each `;name` or `;name=value` (a
+# token or a quoted string); no sign, no `0x`, no `_`, no space, no bare CR or LF. int(..., 16)
+# took `-5` (which left the decoder's count negative), `+5`, `0x5`, `1_0` and spaces.
+# (tests/unit/test_upstream.py holds each form; llhttp's own lenient `;a=` and `;=b` are refused.)
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_QUOTED = rb'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t -~\x80-\xff])*"'
+_CHUNK_SIZE = re.compile(rb"0*([0-9A-Fa-f]{1,16})(?:;" + _TOKEN + rb"(?:=(?:" + _TOKEN + rb"|" + _QUOTED + rb"))?)*")
+SIZE_LINE_MAX = 4096  # a size line (extensions included) longer than this is refused, not buffered
 
 
 class UpstreamError(Exception):
@@ -122,16 +132,23 @@ class UpstreamResponse:
             elif self._mode == "crlf":
                 if len(buf) < 2:
                     break
+                if buf[:2] != b"\r\n":
+                    raise UpstreamError("the worker sent malformed chunked framing (no CRLF after a chunk's data)",
+                                        started=True)
                 buf, self._mode = buf[2:], "size"
             elif self._mode == "size":
-                end = buf.find(b"\r\n")
+                end = buf.find(b"\r\n", 0, SIZE_LINE_MAX)
                 if end < 0:
+                    if len(buf) >= SIZE_LINE_MAX:
+                        raise UpstreamError(f"the worker sent a chunk-size line over {SIZE_LINE_MAX} bytes",
+                                            started=True)
                     break
-                try:
-                    size = int(buf[:end].split(b";")[0], 16)
-                except ValueError:
-                    raise UpstreamError("the worker sent malformed chunked framing", started=True) from None
+                size_line = _CHUNK_SIZE.fullmatch(buf, 0, end)
+                if size_line is None:
+                    raise UpstreamError(f"the worker sent malformed chunked framing (chunk size "
+                                        f"{bytes(buf[:min(end, 40)])!r})", started=True)
                 buf = buf[end + 2:]
+                size = int(size_line.group(1), 16)
                 self._mode, self._need = ("trailer", 0) if size == 0 else ("data", size)
             else:  # trailer: headers after the last chunk end with an empty line
                 if b"\r\n" in buf:

@@ -80,6 +80,54 @@ def test_truncated_and_malformed_bodies_are_errors(arrives: list[bytes], headers
         body(arrives, headers)
 
 
+def llhttp_takes(chunked: bytes) -> bool:
+    """Whether llhttp (httptools: the parser of uvicorn and of fleet's front) takes this body."""
+    import httptools
+
+    parser = httptools.HttpResponseParser(object())
+    try:
+        parser.feed_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunked)
+        return True
+    except httptools.HttpParserError:
+        return False
+
+
+REFUSED_SIZES = {
+    "negative": b"-5", "plus": b"+5", "underscore": b"1_0", "0x": b"0x5", "space-before": b" 5", "space-after": b"5 ",
+    "tab": b"5\t", "empty": b"", "not-hex": b"g", "bare-cr": b"5\r5", "over-64-bits": b"1" + b"0" * 16,
+    "arabic-digit": b"\xd9\xa5", "space-before-extension": b"5 ;a", "space-in-extension": b"5;a=b c",
+    "empty-extension": b"5;", "unterminated-quote": b'5;a="x', "two-equals": b"5;a=b=c",
+    "control-in-quoted-pair": b'5;a="\\\x01"'}
+TAKEN_SIZES = [b"5", b"0005", b"5;name=value", b'5;a;b="quoted \\" pair"', b"5;a=b;c=d", b"0" * 20 + b"5"]
+
+
+@pytest.mark.parametrize("size", REFUSED_SIZES.values(), ids=REFUSED_SIZES.keys())
+def test_a_chunk_size_llhttp_refuses_is_refused(size: bytes) -> None:
+    """int(..., 16) took -5 (the decoder's count then went negative and it relayed garbage), +5,
+    1_0, 0x5 and spaces around the digits; llhttp takes hex digits (64 bits at most) and
+    extensions of tokens or quoted strings, nothing else."""
+    chunked = size + b"\r\nhello\r\n0\r\n\r\n"
+    assert not llhttp_takes(chunked)
+    with pytest.raises(UpstreamError, match="malformed chunked framing"):
+        body([chunked], {"transfer-encoding": "chunked"})
+
+
+@pytest.mark.parametrize("size", TAKEN_SIZES)
+def test_a_chunk_size_llhttp_takes_is_taken(size: bytes) -> None:
+    chunked = size + b"\r\nhello\r\n0\r\n\r\n"
+    assert llhttp_takes(chunked)
+    assert body([chunked], {"transfer-encoding": "chunked"}) == b"hello"
+
+
+def test_a_chunk_size_line_without_end_and_data_without_crlf_are_refused() -> None:
+    with pytest.raises(UpstreamError, match="chunk-size line over 4096 bytes"):
+        body([b"5;" + b"e" * 5000], {"transfer-encoding": "chunked"})
+    with pytest.raises(UpstreamError, match="no CRLF after a chunk's data"):
+        body([b"5\r\nhelloXY0\r\n\r\n"], {"transfer-encoding": "chunked"})
+    with pytest.raises(UpstreamError, match="malformed chunked framing"):  # a bare LF ends no line
+        body([b"5\nhello\r\n0\r\n\r\n"], {"transfer-encoding": "chunked"})
+
+
 @pytest.mark.parametrize("data, reusable", [(CHUNKED, True), (CHUNKED[:-2], False)], ids=["clean", "no-final-line"])
 def test_a_clean_chunked_end_leaves_the_connection_reusable(data: bytes, reusable: bool) -> None:
     assert received([], {"transfer-encoding": "chunked"}, data) == (b"".join(EVENTS), reusable)
