@@ -36,7 +36,7 @@ class Checker:
         self.staged: dict[str, set[str]] = defaultdict(set)
         for cluster in self.data.get("clusters", {}).values():
             if cluster.get("pipeline", False) is not False:
-                self.staged[cluster["model"]].update(cluster["members"])
+                self.staged[cluster["model"]].update(listed(cluster))
 
     def add(self, code: str, path: YamlPath, summary: str, detail: str = "", *, key: bool = False,
             severity: str = "error") -> None:
@@ -197,6 +197,11 @@ class Checker:
             base: YamlPath = ("clusters", cname)
             model_name = cluster["model"]
             known = self.model_ref(model_name, base + ("model",), f"cluster {cname!r}")
+            self.check_gpus(cname, cluster)
+            if isinstance(cluster["members"], dict):
+                self.check_placement(cname, cluster)
+                self.check_speculative(cname, cluster, holders)
+                continue
             seen: dict[str, int] = {}
             for i, member in enumerate(cluster["members"]):
                 mpath = base + ("members", i)
@@ -223,6 +228,63 @@ class Checker:
             if known and cluster.get("pipeline", False) is not False:
                 self.check_pipeline(cname, cluster, bound)
             self.check_speculative(cname, cluster, holders)
+
+    def check_gpus(self, cname: str, cluster: dict[str, Any]) -> None:
+        """settings.gpus: per-member keys name members (or candidates); with tensor_parallel N, N GPUs."""
+        pins = cluster.get("settings", {}).get("gpus")
+        if pins is None:
+            return
+        path: YamlPath = ("clusters", cname, "settings", "gpus")
+        members = cluster["members"]
+        allowed = set(members.get("nodes", self.nodes)) if isinstance(members, dict) else set(members)
+        lists = [(path, pins)] if isinstance(pins, list) else [(path + (n,), g) for n, g in pins.items()]
+        if isinstance(pins, dict):
+            for node in pins:
+                if node not in allowed:
+                    self.add("gpus_not_a_member", path + (node,), f"settings.gpus of cluster {cname!r} names "
+                             f"{node!r}, which is not one of its members" + (" or candidates" if
+                                                                             isinstance(members, dict) else ""),
+                             f"Its members: {', '.join(sorted(allowed))}.", key=True)
+        tp = cluster.get("settings", {}).get("tensor_parallel")
+        for where, got in lists:
+            if isinstance(tp, int) and len(got) != tp:
+                self.add("gpus_tensor_parallel_mismatch", where, f"cluster {cname!r} pins {len(got)} GPU(s) "
+                         f"({', '.join(map(str, got))}) but asks for tensor_parallel: {tp}",
+                         f"Pin {tp} GPUs, or set tensor_parallel to {len(got)} (or leave it out: the pinned GPUs "
+                         "are the server's).")
+
+    def check_placement(self, cname: str, cluster: dict[str, Any]) -> None:
+        """members: {count, nodes, labels}: what can be known offline: the candidates exist, carry
+        the labels, and are at least `count`; no pipeline; GGUF and encrypted models only on the
+        control plane's node."""
+        base: YamlPath = ("clusters", cname, "members")
+        spec = cluster["members"]
+        if cluster.get("pipeline", False) is not False:
+            self.add("placement_pipeline_unsupported", base, f"pipeline {cname!r} cannot be placed by count: its "
+                     "stages are its slices' nodes", "List the members in layer order, each holding a slice.")
+            return
+        names = spec.get("nodes", list(self.nodes))
+        for i, n in enumerate(spec.get("nodes", ())):
+            self.node_ref(n, base + ("nodes", i), f"clusters.{cname}.members.nodes[{i}]")
+        candidates = [n for n in names if n in self.nodes]
+        labels = spec.get("labels", {})
+        if labels:
+            candidates = [n for n in candidates
+                          if all(self.nodes[n].get("labels", {}).get(k) == v for k, v in labels.items())]
+        model = self.models.get(cluster["model"])
+        cp = self.data["control_plane"]["node"]
+        only_cp = model is not None and (model["format"] == "gguf" or model.get("encrypted", False))
+        if only_cp:
+            candidates = [n for n in candidates if n == cp]
+        if len(candidates) < spec["count"]:
+            why = (f"{'GGUF' if model and model['format'] == 'gguf' else 'encrypted'} model "
+                   f"{cluster['model']!r} is served only on the control plane's node ({cp!r})" if only_cp else
+                   "of the nodes " + (f"labelled {', '.join(f'{k}={v}' for k, v in labels.items())}"
+                                      if labels else "named"))
+            self.add("placement_too_few_candidates", base + ("count",),
+                     f"cluster {cname!r} asks for {spec['count']} member{'s' if spec['count'] > 1 else ''} but has {len(candidates)} candidate(s)"
+                     + (f": {', '.join(candidates)}" if candidates else "") + f" ({why})",
+                     "Each member is a node of its own: lower `count`, or widen `nodes` / `labels`.")
 
     def check_pipeline(self, cname: str, cluster: dict[str, Any],
                        bound: dict[tuple[str, int], tuple[str, YamlPath]]) -> None:
@@ -314,12 +376,18 @@ class Checker:
         draft = spec["draft"]
         if not self.model_ref(draft, path + ("draft",), f"the draft of cluster {cname!r}"):
             return
-        for i, member in enumerate(cluster["members"]):
+        for i, member in enumerate(listed(cluster)):
             if member in self.nodes and member not in holders.get(draft, set()) \
                     and member != self.models[draft]["source"]:
                 self.add("draft_not_replicated", ("clusters", cname, "members", i),
                          f"{member!r} runs cluster {cname!r} with draft model {draft!r} but holds no replica of it",
                          f"Add {member!r} to replicas.{draft}.")
+
+
+def listed(cluster: dict[str, Any]) -> list[str]:
+    """A cluster's members as fleet.yaml lists them ([] for members placed by count)."""
+    members = cluster["members"]
+    return list(members) if isinstance(members, list) else []
 
 
 def rendezvous_port(cluster: dict[str, Any]) -> int:

@@ -13,7 +13,7 @@ from wire.layers import LayerRange
 from reconciler.fleetfile import schema, source
 from reconciler.fleetfile.checks import Checker, rendezvous_port
 from reconciler.core.diagnostics import Diagnostic, error, has_errors
-from reconciler.core.desired import DEFAULT_AGENT_PORT, DEFAULT_LISTEN, DEFAULT_STARTUP_TIMEOUT_S, ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec, PipelineSpec, ReplicaSpec, ServeTlsSpec, Settings, SpeculativeSpec
+from reconciler.core.desired import DEFAULT_AGENT_PORT, DEFAULT_LISTEN, DEFAULT_STARTUP_TIMEOUT_S, ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec, PipelineSpec, Placement, ReplicaSpec, ServeTlsSpec, Settings, SpeculativeSpec
 from reconciler.fleetfile.source import Document
 
 
@@ -66,6 +66,15 @@ def load_text(text: str, filename: str) -> Loaded:
     return Loaded(filename, desired, tuple(diags), doc, digest, text)
 
 
+def _pins(given: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """settings.gpus: a list for every member ("*"), or per member."""
+    if given is None:
+        return ()
+    if isinstance(given, list):
+        return (("*", tuple(given)),)
+    return tuple((node, tuple(g)) for node, g in given.items())
+
+
 def _build(data: dict[str, Any], layers: dict[tuple[str, int], LayerRange], ca_file: str | None = None) -> Desired:
     cp = data["control_plane"]
     nodes = {name: NodeSpec(name=name, address=n["address"], agent_port=n.get("agent_port", DEFAULT_AGENT_PORT),
@@ -88,10 +97,15 @@ def _build(data: dict[str, Any], layers: dict[tuple[str, int], LayerRange], ca_f
         settings = Settings(context_length=s.get("context_length"), threads=s.get("threads"),
                             batch_size=s.get("batch_size"), tensor_parallel=s.get("tensor_parallel"),
                             speculative=speculative,
-                            startup_timeout_s=float(s.get("startup_timeout_s", DEFAULT_STARTUP_TIMEOUT_S)))
+                            startup_timeout_s=float(s.get("startup_timeout_s", DEFAULT_STARTUP_TIMEOUT_S)),
+                            gpus=_pins(s.get("gpus")))
         pipeline = None if c.get("pipeline", False) is False else PipelineSpec(rendezvous_port(c))
-        clusters[name] = ClusterSpec(name=name, model=c["model"], members=tuple(c["members"]), port=c["port"],
-                                     settings=settings, pipeline=pipeline)
+        members, placement = c["members"], None
+        if isinstance(members, dict):  # {count, nodes, labels}: placed by the planner
+            placement = Placement(int(members["count"]), tuple(members.get("nodes", ())),
+                                  tuple(sorted(members.get("labels", {}).items())))
+        clusters[name] = ClusterSpec(name=name, model=c["model"], members=tuple(members) if placement is None else (),
+                                     port=c["port"], settings=settings, pipeline=pipeline, placement=placement)
     return Desired(version=data["version"],
                    control_plane=ControlPlaneSpec(node=cp["node"], listen=cp.get("listen", DEFAULT_LISTEN),
                                                   api_keys_env=cp.get("api_keys_env"),

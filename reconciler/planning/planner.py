@@ -21,6 +21,7 @@ from reconciler.planning.pipeline import StageInput, group_of, plan_group
 from reconciler.planning.order import guard, order, select
 from reconciler.planning.plan import Action, Change, Plan
 from reconciler.planning.gpus import Arch, Ledger, arch_of, estimate, gib
+from reconciler.planning.placement import place
 from reconciler.planning.weights import Want, model_bytes
 
 
@@ -69,6 +70,7 @@ class _Planner:
         self.ok: dict[str, ObservedNode] = {}
         self.ledger = Ledger(self.ok)
         self.asks: list[_Ask] = []
+        self.placed: dict[tuple[str, str], str] = {}  # (cluster, node) -> why a placed member is there
 
     # ---- nodes ----
 
@@ -196,6 +198,10 @@ class _Planner:
                         address=address))
                     continue
                 if change is not None:
+                    placed_as = self.placed.get((c.name, node))
+                    if placed_as is not None:
+                        change = Change(change.action, change.address, change.node, f"{placed_as}; {change.reason}",
+                                        change.depends_on, change.details, change.drift)
                     if obs.gpus:
                         self.asks.append(_Ask(len(self.changes), node, sid, model.format, model_bytes(model, self.o),
                                               arch_of(model.digest, self.o), settings, pinned))
@@ -339,6 +345,8 @@ class _Planner:
 
     def run(self) -> None:
         self.check_nodes()
+        placed = place(self.d, self.o, self.ok, self.diags)
+        self.d, self.placed = placed.desired, placed.reasons
         wants = plan_weights.wants(self.d, self.o, self.diags)
         self.changes += plan_weights.replicate(self.d, self.ok, wants, self.diags)
         desired_ids = self.servers(wants)

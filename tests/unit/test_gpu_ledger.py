@@ -79,3 +79,48 @@ def test_nodes_wide_shows_each_gpus_servers() -> None:
     seen = node((80 * GIB, 80 * GIB), (15 * GIB, 80 * GIB), servers=servers)
     assert _columns("a", seen, None, True)[0] == "0: 80.0/80.0, 1: 15.0/80.0 (chat 60.0)"
     assert _columns("a", seen, None, False)[0] == "80.0/80.0, 15.0/80.0"
+
+
+FLEET = """version: 1
+control_plane: {node: cp}
+nodes:
+  cp: {address: 10.0.0.1}
+  gpu-a: {address: 10.0.0.2, labels: {pool: h100}}
+  gpu-b: {address: 10.0.0.3}
+models:
+  llama: {format: safetensors, digest: "sha256:1111111111111111111111111111111111111111111111111111111111111111", source: cp}
+  qwen: {format: gguf, digest: "sha256:2222222222222222222222222222222222222222222222222222222222222222", source: cp}
+clusters:
+"""
+
+
+def codes(clusters: str) -> list[tuple[str, str]]:
+    from reconciler.fleetfile import config
+
+    loaded = config.load_text(FLEET + clusters, "fleet.yaml")
+    return [(d.code, d.address) for d in loaded.diagnostics]
+
+
+def test_fleet_validate_checks_placement_and_pins_offline() -> None:
+    assert codes("  chat: {model: llama, members: {count: 2, nodes: [gpu-a, gpu-b]}, port: 9001}\n") == []
+    assert codes("  chat: {model: llama, members: {count: 2, labels: {pool: h100}}, port: 9001}\n") == [
+        ("placement_too_few_candidates", "clusters.chat.members.count")]
+    assert codes("  code: {model: qwen, members: {count: 2}, port: 9001}\n") == [
+        ("placement_too_few_candidates", "clusters.code.members.count")]  # GGUF: the control plane's node only
+    assert codes("  chat: {model: llama, members: {count: 1, nodes: [gpu-x]}, port: 9001}\n")[0] == (
+        "unknown_node", "clusters.chat.members.nodes[0]")
+    assert codes("  chat: {model: llama, members: {count: 1}, port: 9001, pipeline: true}\n") == [
+        ("placement_pipeline_unsupported", "clusters.chat.members")]
+    assert codes("  chat: {model: llama, members: [cp], port: 9001, settings: {gpus: {gpu-b: [0]}}}\n") == [
+        ("gpus_not_a_member", "clusters.chat.settings.gpus.gpu-b")]
+    assert codes("  chat: {model: llama, members: [cp], port: 9001, settings: {gpus: [0], tensor_parallel: 2}}\n") == [
+        ("gpus_tensor_parallel_mismatch", "clusters.chat.settings.gpus")]
+    assert [c for c, _ in codes("  chat: {model: llama, members: {cuont: 1}, port: 9001}\n")] == ["schema_violation"]
+
+
+def test_placement_is_the_same_on_every_run_and_stays_once_applied() -> None:
+    first = run_case(CASES / "placement-two-members")
+    assert first == run_case(CASES / "placement-two-members")
+    assert [c.node for c in first.changes if c.action.value == "start"] == ["gpu-a", "gpu-c"]
+    # placement-stable is what applying it leaves (gpu-b now the emptiest): nothing moves
+    assert run_case(CASES / "placement-stable").changes == ()
