@@ -92,7 +92,7 @@ def snapshot(fleet: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
                 server["pipeline"] = {"group": s.get("group", "0" * 16), "rank": s.get("rank", 0),
                                       "world_size": s.get("world_size", 1)}
         nodes[name] = {"state": {
-            "identity": {"id": n.get("identity", "0" * 32), "name": name, "enrolled_at": "2026-01-01T00:00:00Z"},
+            "identity": {"id": n.get("identity", "0" * 32), "name": n.get("name", name), "enrolled_at": "2026-01-01T00:00:00Z"},
             "agent_version": "test", "variant": {"accelerator": "cpu", **({"findings": n["findings"]} if "findings" in n
                                                                          else {})}, "observed_at": n.get("time", "2026-11-30T12:00:00+00:00"),
             "inventory": {"cores": {"logical": 8, "usable": n.get("cores", 8)},
@@ -140,7 +140,7 @@ def planned_groups(snap: dict[str, Any], make: Callable[[dict[str, Any]], Plan])
 
 
 # Codes whose words are part of the case: they name the GPUs, what holds them and what is short.
-SAID = {"insufficient_vram", "insufficient_gpus", "gpu_not_found", "placement_failed", "identity_name_mismatch"}
+SAID = {"insufficient_vram", "insufficient_gpus", "gpu_not_found", "placement_failed", "identity_of_another_node"}
 
 
 def render_lines(p: Plan) -> dict[str, Any]:

@@ -89,8 +89,21 @@ class _Planner:
                                         f"{spec.identity}", "Another machine answers at this address, or the "
                                         "node was enrolled again. Check the machine, then update the pin.",
                                         address=f"node.{name}"))
+            elif not spec.identity and (other := self.named_as_another(name, obs)) is not None:
+                self.diags.append(error("identity_of_another_node",
+                                        f"the agent at {name!r} ({spec.address}:{spec.agent_port}) says it is "
+                                        f"{other!r}, another node of this fleet",
+                                        f"Two names of fleet.yaml may lead to one machine, or {name!r}'s address is "
+                                        f"wrong. Check the address; pin each node's identity (nodes.{name}.identity: "
+                                        "the id `fleet-agent identity` prints) to catch it for certain.",
+                                        address=f"node.{name}"))
             else:
                 self.ok[name] = obs
+
+    def named_as_another(self, name: str, obs: ObservedNode) -> str | None:
+        """The other fleet node whose name the agent at `name` gives as its own (None: none)."""
+        said = ((obs.state or {}).get("identity") or {}).get("name")
+        return said if isinstance(said, str) and said != name and said in self.d.nodes else None
 
     # ---- servers ----
 
