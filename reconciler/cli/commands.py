@@ -209,6 +209,9 @@ def _read_plan(path: str, loaded: config.Loaded) -> Plan:
     # The nodes it names are checked against the file it was made from; made from another, it is stale.
     same_file = isinstance(data, dict) and data.get("config_digest") == loaded.digest
     problems = planfile.check(data, loaded.desired.nodes if same_file else None)
+    if [d.code for d in problems] == ["plan_errored"]:  # refused when made: refused now, as `fleet plan` was
+        raise Failure(Exit.PLAN_REFUSED, "plan_errored", f"the saved plan {path} was refused when it was made; "
+                      "nothing was applied", problems, hint="fix what refused it, then: fleet plan -o FILE")
     if problems:
         raise Failure(Exit.INVALID_CONFIG, "invalid_plan", f"the saved plan {path} is not a valid plan "
                       f"({len(problems)} error{'s' if len(problems) != 1 else ''}); nothing was applied", problems,
