@@ -167,7 +167,8 @@ class Ledger:
     def __init__(self, nodes: Mapping[str, ObservedNode]) -> None:
         self.nodes = nodes
         self._gpus: dict[str, list[Gpu]] = {}
-        self.touched: dict[str, None] = {}  # nodes this plan reserves on, in the order it did
+        # Nodes this plan reserves on or refuses, in the order it did: a refused one shows every GPU.
+        self.touched: dict[str, bool] = {}
 
     def gpus(self, node: str) -> list[Gpu]:
         got = self._gpus.get(node)
@@ -197,16 +198,17 @@ class Ledger:
             chosen = [by_index[i] for i in pinned]
             short = [g for g in chosen if g.after < share]
             if short:
-                self.touched[node] = None
+                self.touched[node] = True
                 return Assigned(None, f"the pinned GPU(s) {', '.join(str(g.index) for g in chosen)} need "
                                 f"{gib(share)} each, but " + "; ".join(g.picture(node) for g in short))
         else:
             if n > len(gpus):
+                self.touched[node] = True
                 return Assigned(None, f"it asks for {n} GPUs together, but {node!r} reports {len(gpus)}",
                                 "insufficient_gpus")
             fits = sorted((g for g in gpus if g.after >= share), key=lambda g: (g.after, g.index))
             if len(fits) < n:
-                self.touched[node] = None
+                self.touched[node] = True
                 what = "no GPU" if n == 1 else f"only {len(fits)} of the {n} GPUs it needs"
                 return Assigned(None, f"{what} of {node!r} {'has' if n == 1 else 'have'} {gib(share)}"
                                 f"{' each' if n > 1 else ''} free after this plan: "
@@ -214,14 +216,14 @@ class Ledger:
             chosen = sorted(fits[:n], key=lambda g: g.index)
         for g in chosen:
             g.planned[sid] = share
-        self.touched[node] = None
+        self.touched.setdefault(node, False)
         return Assigned([GpuShare(index=g.index, uuid=g.uuid, bytes=share) for g in chosen])
 
-    def pictures(self) -> list[str]:
-        return [g.picture(node) for node in self.touched for g in self.gpus(node)]
-
     def to_json(self) -> list[dict[str, Any]]:
-        return [g.to_json(node) for node in self.touched for g in self.gpus(node)]
+        """The GPUs this plan reserves on or gives back, and every GPU of a node where it refused
+        one: a plan of 10,000 starts on nodes of 8 GPUs carries 10,000 rows, not 80,000."""
+        return [g.to_json(node) for node, every in self.touched.items() for g in self.gpus(node)
+                if every or g.planned or g.released & g.held.keys()]
 
     def best_after(self, node: str) -> int:
         """The most any one GPU of `node` has free after this plan (0 without GPUs)."""

@@ -68,7 +68,7 @@ def test_a_plans_json_carries_each_part_of_the_estimate() -> None:
     assert vram["kv_cache_bytes"] == 32 * 2 * 8 * 128 * 2 * 32768 * 16 == 64 * GIB
     assert "8 KV heads x 128, as its agent reports" in vram["basis"]
     assert start.details["gpus"] == [{"index": 0, "uuid": "GPU-0", "bytes": vram["total_bytes"]}]
-    assert [row["index"] for row in plan.to_json()["gpus"]] == [0, 1]
+    assert [row["index"] for row in plan.to_json()["gpus"]] == [0]  # the GPU it reserves on, not GPU 1
 
 
 def test_nodes_wide_shows_each_gpus_servers() -> None:
