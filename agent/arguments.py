@@ -62,6 +62,10 @@ def build_parser() -> Parser:
                    help="connections held at once; one more is answered 503 too_many_connections and closed, "
                         "so clients never take the descriptors the agent's own work needs (default: from the "
                         "descriptor limit, which the agent raises to 65,536 where the hard limit allows: 21,802)")
+    p.add_argument("--control-plane", action="append", metavar="ADDRESS",
+                   help="an address the control plane connects from (repeatable): its connections count as "
+                        "authenticated from the start and the last 16 places under the cap are kept for them "
+                        "(connections that never show the cluster secret are closed first when all are held)")
 
     p = sub.add_parser("import", help="hash and store a local model; print its digest",
                        description="Import a model this node holds the original of (an HF directory with "

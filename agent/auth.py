@@ -53,6 +53,11 @@ class _Door:
     async def refuse(self, scope: Scope, send: Send, given: bytes | None) -> None:
         raise NotImplementedError
 
+    def admits(self, scope: Scope) -> bool:
+        """Whether `scope` carries the credential (the agent's server prefers such connections)."""
+        given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+        return given is not None and hmac.compare_digest(given, self.expected)
+
 
 class BearerAuth(_Door):
     """Every path but /healthz needs `Authorization: Bearer <cluster secret>`, compared in constant

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import os
@@ -149,9 +150,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from agent.api.server import serve
 
     ctx = assemble(home, ident, secret, __version__, probe, ProcessLauncher(), listen_host=host, windows=wins,
+    try:
+        control_plane = frozenset(str(ipaddress.ip_address(a)) for a in args.control_plane or ())
+    except ValueError as exc:
+        raise Refused(f"--control-plane: {exc} (an IP address the control plane connects from)") from None
                    verify_every_s=verify_every, disk_reserve=reserve, weights_key=weights_key, peer_tls=peer_tls)
-    return serve(create_app(ctx), host, port, ident, spawner=ctx.spawner, workers=ctx.workers,
-                 max_connections=args.max_connections, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    app = create_app(ctx)
+    return serve(app, host, port, ident, spawner=ctx.spawner, workers=ctx.workers,
+                 max_connections=args.max_connections, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                 control_plane=control_plane, admits=app.admits)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -1,32 +1,36 @@
 """Run the agent's ASGI app under hypercorn on trio until SIGINT/SIGTERM, holding at most a capped
-number of connections at once (Door).
+number of connections at once, which strangers cannot keep (Door).
 
 hypercorn has no such cap, and its `serve` builds its listeners and hands every accepted stream to
 its TCPServer itself, with no place to put one. `_serve` is its worker (hypercorn/trio/run.py,
 `worker_serve`, 0.18) with that one change and without what the agent does not use (QUIC, statsd,
-max_requests); its connections are hypercorn's TCPServer, closed as soon as the client's end
-closes (_Connection). It uses hypercorn's own Lifespan, TCPServer and WorkerContext, so
-pyproject.toml pins hypercorn to the minor version it was written against."""
+max_requests); each connection is hypercorn's TCPServer, given a stream that tells the Door when
+bytes arrive (TLS is layered by the Door over that stream), and the app is wrapped so that the
+Door sees each request begin and end. Nothing of a TCPServer's private members is used; its
+constructor, Lifespan and WorkerContext are hypercorn's own, so pyproject.toml pins hypercorn to
+the minor version it was written against."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
 import signal
+import ssl
 import sys
+from collections import OrderedDict
 from functools import partial
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
 from hypercorn.config import Config
-from hypercorn.events import Event, Updated
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState, LifespanState
 from hypercorn.utils import ShutdownError, raise_shutdown, wrap_app
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from host.descriptors import raise_descriptor_limit
 
@@ -45,6 +49,9 @@ RESERVED_FDS = 128
 LINGER_MAX = 32
 LINGER_S = 1.0  # a refused client's request is read (and dropped) this long, so the 503 is not reset
 WARN_EVERY_S = 10.0
+IDLE_S = 10.0  # a connection's first byte of a head within this (again between requests, until it shows the secret)
+HEAD_S = 10.0  # a request's whole head within this of its first byte
+CONTROL_RESERVE = 16  # places only the control plane's addresses (--control-plane) may take (at most a quarter)
 READ = 64 * 1024
 
 
@@ -56,48 +63,194 @@ def connection_cap(nofile: int) -> int:
     return max(16, (nofile - RESERVED_FDS) // 3)
 
 
-class Door:
-    """The connections the server holds: `cap` at once. One more is answered 503
-    `too_many_connections` and closed (over TLS, closed: a 503 would cost a handshake first), and
-    the refusal logged at most every WARN_EVERY_S: the agent's own work (fetches, workers, the
-    store) keeps the descriptors it needs whatever its clients open."""
+class _Conn:
+    """One held connection, as the Door sees it: its cancel scope (its deadline is the idle or head
+    deadline, cancelling it evicts it), whether it has shown the cluster secret (or comes from a
+    control-plane address), whether a request is in flight, and whether bytes of a head arrived."""
 
-    def __init__(self, cap: int, node: str = "") -> None:
+    __slots__ = ("key", "scope", "trusted", "control", "in_flight", "heading", "ended", "request")
+
+    def __init__(self, key: tuple[str, int], deadline: float, control: bool) -> None:
+        self.key = key
+        self.scope = trio.CancelScope(deadline=deadline)
+        self.trusted = self.control = control
+        self.in_flight = self.heading = self.ended = False
+        self.request = 0
+
+
+class Door:
+    """The connections the server holds: `cap` at once, and strangers cannot keep them.
+
+    A connection must send a request's first byte within IDLE_S and its whole head within HEAD_S
+    of that byte; between requests, one that has never shown the cluster secret is given IDLE_S
+    again, one that has keeps hypercorn's keep-alive (120 s). When all places are held, the newest
+    connection takes the place of the oldest idle one (no request in flight): first one that never
+    showed the secret, then one that did. Only when every place has a request in flight is one more
+    answered 503 `too_many_connections` and closed (over TLS, closed: a 503 would cost a handshake
+    first), the refusal logged at most every WARN_EVERY_S. Connections from `control` (the control
+    plane's addresses, --control-plane) count as authenticated from the start, and the last
+    CONTROL_RESERVE places are theirs alone. A connection whose client closed its end is closed as
+    soon as no request of it is in flight (hypercorn held it in CLOSE-WAIT for the keep-alive).
+
+    What the Door knows of requests it learns from `watch` (the ASGI app in front of the agent's)
+    and from the bytes it reads (`_Watched`): no hypercorn internals."""
+
+    def __init__(self, cap: int, node: str = "", control: frozenset[str] = frozenset(),
+                 admits: Callable[[Scope], bool] = lambda scope: False) -> None:
         self.cap = cap
-        self.held = 0
-        self.refused = 0
+        self.control = frozenset(_address(a) for a in control)
+        self.reserve = min(CONTROL_RESERVE, cap // 4) if control else 0
+        self.admits = admits
+        self.refused = self.evicted = self.timed_out = 0
+        # Idle connections, oldest first: strangers (never showed the secret) and the authenticated.
+        self._strangers: OrderedDict[tuple[str, int], _Conn] = OrderedDict()
+        self._known: OrderedDict[tuple[str, int], _Conn] = OrderedDict()
+        self._busy: dict[tuple[str, int], _Conn] = {}  # a request in flight
         self._lingering = 0
-        self._warned_at = -math.inf
+        self._warned_at = self._evict_warned_at = -math.inf
         body = json.dumps({"error": {"code": "too_many_connections", "message":
                                      f"the agent of node {node!r} holds at most {cap} connections at once, all "
-                                     "held; retry shortly (fleet-agent serve --max-connections)"}}).encode()
-        self._busy = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                      f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n").encode() + body
+                                     "with a request in flight; retry shortly (fleet-agent serve --max-connections)"}}).encode()
+        self._busy_answer = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                             f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n").encode() + body
 
-    async def __call__(self, serve: Callable[[trio.abc.Stream], Awaitable[None]], stream: trio.abc.Stream) -> None:
-        if self.held >= self.cap:
-            await self._refuse(stream)
-            return
-        self.held += 1
+    @property
+    def held(self) -> int:
+        return len(self._strangers) + len(self._known) + len(self._busy)
+
+    def _find(self, key: tuple[str, int]) -> _Conn | None:
+        return self._strangers.get(key) or self._known.get(key) or self._busy.get(key)
+
+    def _drop(self, conn: _Conn) -> None:
+        for table in (self._strangers, self._known, self._busy):
+            if table.get(conn.key) is conn:
+                del table[conn.key]
+
+    def _rest(self, conn: _Conn) -> None:
+        """`conn` idle: at the end of its table (the newest idle)."""
+        (self._known if conn.trusted else self._strangers)[conn.key] = conn
+
+    def _make_room(self, control: bool) -> bool:
+        limit = self.cap if control else self.cap - self.reserve
+        while self.held >= limit:
+            table = self._strangers or self._known
+            if not table:
+                return False
+            _, victim = table.popitem(last=False)
+            victim.scope.cancel()
+            self.evicted += 1
+            now = trio.current_time()
+            if now - self._evict_warned_at >= WARN_EVERY_S:
+                self._evict_warned_at = now
+                log.warning("[connections_evicted] all %d places were held: the oldest idle connection gives its "
+                            "place to the newest (unauthenticated ones first); %d evicted so far", self.cap,
+                            self.evicted)
+        return True
+
+    async def __call__(self, serve: Callable[[trio.abc.Stream], Awaitable[None]], stream: trio.SocketStream,
+                       ssl_context: ssl.SSLContext | None = None) -> None:
         try:
-            await serve(stream)
+            key = _peer(stream.socket.getpeername())
+        except OSError:  # gone already
+            await trio.aclose_forcefully(stream)
+            return
+        control = _address(key[0]) in self.control
+        stale = self._find(key)  # the same client address held: that connection is gone
+        if stale is not None:
+            self._drop(stale)
+            stale.scope.cancel()
+        if not self._make_room(control):
+            await self._refuse(stream if ssl_context is None else None, stream)
+            return
+        conn = _Conn(key, trio.current_time() + IDLE_S, control)
+        self._rest(conn)
+        watched = _Watched(stream, self, conn)
+        try:
+            with conn.scope:
+                await serve(watched if ssl_context is None else
+                            trio.SSLStream(watched, ssl_context, server_side=True, https_compatible=True))
+            if conn.scope.cancelled_caught and conn.scope.deadline <= trio.current_time():
+                self.timed_out += 1  # a head not sent in time, or a stranger idle past IDLE_S
         finally:
-            self.held -= 1
+            self._drop(conn)
+            await trio.aclose_forcefully(stream)
 
-    async def _refuse(self, stream: trio.abc.Stream) -> None:
+    # What the bytes read and the requests seen say (the only way in: no hypercorn internals).
+
+    def received(self, conn: _Conn, data: bytes) -> None:
+        if not data:
+            conn.ended = True
+            if not conn.in_flight and not conn.heading:
+                conn.scope.cancel()  # idle and closed by its client: its place back at once
+        elif not conn.in_flight and not conn.heading:
+            conn.heading = True
+            conn.scope.deadline = trio.current_time() + HEAD_S
+
+    def begin(self, scope: Scope) -> tuple[_Conn, int] | None:
+        """A request's head has arrived (the app is called): its connection is busy, and known from
+        now on if the request carries the secret."""
+        client = scope.get("client")
+        conn = self._find(_peer(client)) if client else None
+        if conn is None:
+            return None
+        self._drop(conn)
+        self._busy[conn.key] = conn
+        conn.in_flight, conn.heading = True, False
+        conn.trusted = conn.trusted or self.admits(scope)
+        conn.scope.deadline = math.inf
+        conn.request += 1
+        return conn, conn.request
+
+    def end(self, conn: _Conn, request: int) -> None:
+        """The answer to `request` has been sent (or its app returned): the connection is idle."""
+        if not conn.in_flight or conn.request != request:
+            return
+        conn.in_flight = False
+        if self._busy.get(conn.key) is not conn:
+            return  # dropped meanwhile
+        del self._busy[conn.key]
+        if conn.ended:
+            conn.scope.cancel()
+            return
+        conn.scope.deadline = math.inf if conn.trusted else trio.current_time() + IDLE_S
+        self._rest(conn)
+
+    def watch(self, app: ASGIApp) -> ASGIApp:
+        """`app` with each HTTP request reported to the Door (begin, then end once answered)."""
+
+        async def watched(scope: Scope, receive: Receive, send: Send) -> None:
+            began = self.begin(scope) if scope["type"] == "http" else None
+            if began is None:
+                await app(scope, receive, send)
+                return
+
+            async def sending(message: Message) -> None:
+                await send(message)
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    self.end(*began)
+
+            try:
+                await app(scope, receive, sending)
+            finally:
+                self.end(*began)
+
+        return watched
+
+    async def _refuse(self, plain: trio.SocketStream | None, stream: trio.SocketStream) -> None:
         self.refused += 1
         now = trio.current_time()
         if now - self._warned_at >= WARN_EVERY_S:
             self._warned_at = now
-            log.warning("[too_many_connections] refusing connections: all %d allowed are held (the cap follows "
-                        "RLIMIT_NOFILE; --max-connections sets it); %d refused so far", self.cap, self.refused)
-        if not isinstance(stream, trio.SocketStream) or self._lingering >= LINGER_MAX:
+            log.warning("[too_many_connections] refusing connections: all %d allowed are held, each with a request "
+                        "in flight (the cap follows RLIMIT_NOFILE; --max-connections sets it); %d refused so far",
+                        self.cap, self.refused)
+        if plain is None or self._lingering >= LINGER_MAX:
             await trio.aclose_forcefully(stream)
             return
         self._lingering += 1
         try:
             with trio.move_on_after(LINGER_S):
-                await stream.send_all(self._busy)
+                await stream.send_all(self._busy_answer)
                 await stream.send_eof()
                 while await stream.receive_some(READ):
                     pass  # the request, dropped: closing with it unread would reset the connection
@@ -108,37 +261,48 @@ class Door:
             await trio.aclose_forcefully(stream)
 
 
-class _Connection(TCPServer):
-    """hypercorn's connection, closed as soon as its client has closed its end: hypercorn waits
-    out the keep-alive timer first (120 s here) holding the descriptor in CLOSE-WAIT, and with
-    it a place under the Door's cap. A request in flight when the client's end closes (a client
-    that half-closes after its request) is answered first, as hypercorn does."""
+class _Watched(trio.abc.HalfCloseableStream):
+    """A connection's socket stream, telling the Door when bytes (or the client's close) arrive."""
 
-    _ended = False
-    _idle = True  # no request in flight (hypercorn's keep-alive timer runs)
+    def __init__(self, inner: trio.SocketStream, door: Door, conn: _Conn) -> None:
+        self.inner, self.door, self.conn = inner, door, conn
 
-    async def protocol_send(self, event: Event) -> None:
-        if isinstance(event, Updated):
-            self._idle = event.idle
-        await super().protocol_send(event)
+    @property
+    def socket(self) -> trio.socket.SocketType:  # what a server asks a socket stream for its addresses
+        return self.inner.socket
 
-    async def _read_data(self) -> None:
-        await super()._read_data()
-        self._ended = True
-        if self._idle:  # else a client that half-closed after its request still gets the answer,
-            await self.idle_task.restart(self._task_group, self._idle_timeout)  # closed once idle
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        data = await self.inner.receive_some(max_bytes)
+        self.door.received(self.conn, data)
+        return data
 
-    async def _idle_timeout(self) -> None:
-        if not self._ended:
-            await super()._idle_timeout()
-            return
-        with trio.CancelScope(shield=True):
-            await self._initiate_server_close()
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def _peer(address: Any) -> tuple[str, int]:
+    return str(address[0]), int(address[1])
+
+
+def _address(text: str) -> str:
+    """An address as compared: an IPv4 address mapped into IPv6 (a listener on ::) as itself."""
+    ip = ipaddress.ip_address(text.split("%")[0])
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
 
 
 async def _serve(app: ASGIApp, config: Config, door: Door, shutdown_trigger: Callable[[], Awaitable[object]]) -> None:
-    """hypercorn.trio.serve, every accepted stream passed through `door` (see the module's note)."""
-    wrapped = wrap_app(app, config.wsgi_max_body_size, None)  # type: ignore[arg-type]
+    """hypercorn.trio.serve, every accepted connection passed through `door` (see the module's note)."""
+    wrapped = wrap_app(door.watch(app), config.wsgi_max_body_size, None)  # type: ignore[arg-type]
     lifespan_state: LifespanState = {}
     lifespan = Lifespan(wrapped, config, lifespan_state)
     context = WorkerContext(None)
@@ -148,21 +312,22 @@ async def _serve(app: ASGIApp, config: Config, door: Door, shutdown_trigger: Cal
         async with trio.open_nursery() as server_nursery:
             sockets = config.create_sockets()
             ssl_context = config.create_ssl_context()
-            listeners: list[trio.abc.Listener[trio.abc.Stream]] = []
-            for sock in sockets.secure_sockets:
-                assert ssl_context is not None  # secure sockets are made only with a certificate
-                sock.listen(config.backlog)
-                listeners.append(trio.SSLListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)),
-                                                  ssl_context, https_compatible=True))
-            for sock in sockets.insecure_sockets:
-                sock.listen(config.backlog)
-                listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
-            handler = partial(door, partial(_Connection, wrapped, config, context, ConnectionState(lifespan_state.copy())))
+            connection = partial(TCPServer, wrapped, config, context, ConnectionState(lifespan_state.copy()))
+            served: list[tuple[list[trio.SocketListener], ssl.SSLContext | None]] = []
+            for group, context_of in ((sockets.secure_sockets, ssl_context), (sockets.insecure_sockets, None)):
+                listeners = []
+                for sock in group:
+                    sock.listen(config.backlog)
+                    listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+                if listeners:  # TLS is set up by the Door, over the stream it watches
+                    served.append((listeners, context_of))
             try:
                 async with trio.open_nursery(strict_exception_groups=True) as nursery:
                     nursery.start_soon(raise_shutdown, shutdown_trigger)
                     nursery.start_soon(raise_shutdown, context.terminate.wait)
-                    nursery.start_soon(partial(trio.serve_listeners, handler, listeners, handler_nursery=server_nursery))
+                    for listeners, context_of in served:
+                        nursery.start_soon(partial(trio.serve_listeners, partial(_admit, door, connection, context_of),
+                                                   listeners, handler_nursery=server_nursery))
                     await trio.sleep_forever()
             except BaseExceptionGroup as error:
                 _, others = error.split((ShutdownError, KeyboardInterrupt))
@@ -173,6 +338,11 @@ async def _serve(app: ASGIApp, config: Config, door: Door, shutdown_trigger: Cal
                 server_nursery.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()
+
+
+async def _admit(door: Door, connection: Callable[[trio.abc.Stream], Awaitable[None]],
+                 ssl_context: ssl.SSLContext | None, stream: trio.SocketStream) -> None:
+    await door(connection, stream, ssl_context)
 
 
 class Spawner:
@@ -204,7 +374,11 @@ class Spawner:
 
 def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, spawner: Spawner | None = None,
           workers: Workers | None = None, max_connections: int | None = None,
-          tls_cert: str | None = None, tls_key: str | None = None) -> int:
+          tls_cert: str | None = None, tls_key: str | None = None, control_plane: frozenset[str] = frozenset(),
+          admits: Callable[[Scope], bool] = lambda scope: False) -> int:
+    """Serve `app` until SIGINT/SIGTERM; `admits` says whether a request carries the cluster secret
+    (its connection is then preferred), `control_plane` the addresses whose connections are the
+    control plane's (see Door)."""
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None  # requests carry the cluster secret in a header: log none of them
@@ -218,7 +392,7 @@ def serve(app: ASGIApp, host: str, port: int, ident: Identity, *, spawner: Spawn
         config.certfile, config.keyfile = tls_cert, tls_key
     scheme = "https" if tls_cert else "http"
     nofile = raise_descriptor_limit()  # for the agent's own files too, whatever the cap
-    door = Door(max_connections or connection_cap(nofile), ident.name)
+    door = Door(max_connections or connection_cap(nofile), ident.name, control_plane, admits)
 
     async def main() -> None:
         shutdown = trio.Event()

@@ -84,26 +84,21 @@ def test_a_body_nested_100000_deep_is_a_400(agent: Agent, method: str, path: str
 
 
 def test_connections_past_the_cap_are_answered_503_and_the_agent_keeps_serving(tmp_path: Path) -> None:
-    """A client that opens connections and holds them takes at most the agent's cap (here 3): one
-    more is answered 503 too_many_connections at once, the refusal is logged, and a connection
-    given back is taken by the next client. Unbounded, such a client takes the descriptors the
-    agent's own fetches and workers need."""
+    """A client that holds every place with a request in flight (here 3, each an authenticated POST
+    whose body never comes) leaves none: one more is answered 503 too_many_connections at once, the
+    refusal is logged, and a connection given back is taken by the next client. Unbounded, such a
+    client takes the descriptors the agent's own fetches and workers need. (Idle connections give
+    their place to newer ones instead: tests/integration/test_agent_lockout.py.)"""
     a = Agent("node-c", "127.0.0.2", free_port("127.0.0.2"), tmp_path / "c", args=["--max-connections", "3"])
     a.start()
     held: list[socket.socket] = []
     try:
-        deadline = time.monotonic() + 10
-        while len(held) < 3:  # start()'s health check gives its place back as the agent reads its close
-            held.append(socket.create_connection((a.address, a.port), timeout=0.5))
-            try:
-                held[-1].recv(1)  # answered at once: refused, the place not yet given back
-            except TimeoutError:
-                continue  # held: nothing said, not closed
-            for s in held:
-                s.close()
-            held.clear()
-            assert time.monotonic() < deadline, "three connections were never held at once"
-            time.sleep(0.1)
+        for _ in range(3):
+            held.append(socket.create_connection((a.address, a.port), timeout=10))
+            held[-1].sendall(f"POST /v1/servers HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\r\n"
+                             "Content-Type: application/json\r\nContent-Length: 100\r\n"
+                             "Expect: 100-continue\r\n\r\n{".encode())
+            assert held[-1].recv(64).startswith(b"HTTP/1.1 100 "), "the request's head was not taken"
         r = httpx.get(a.url + "/healthz", timeout=10)
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "too_many_connections" and "at most 3 connections" in r.json()["error"]["message"]
