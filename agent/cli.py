@@ -32,7 +32,9 @@ class Refused(Exception):
 
 
 def _home(args: argparse.Namespace) -> Path:
-    return Path(args.home or os.environ.get("FLEET_AGENT_HOME") or DEFAULT_HOME)
+    # Absolute from the start: a relative home (`--home .`) would be reported as "." in the agent's
+    # state, its store's paths relative too, and would change meaning with the working directory.
+    return Path(os.path.abspath(args.home or os.environ.get("FLEET_AGENT_HOME") or DEFAULT_HOME))
 
 
 def cmd_enroll(args: argparse.Namespace) -> int:

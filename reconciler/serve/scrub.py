@@ -12,10 +12,24 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+# The shortest path replaced: an absolute path of at least two components and MIN_PATH characters.
+# What is scrubbed is a node's home and its store's files, replaced wherever they occur in an answer;
+# a shorter one is a word of prose, not a secret: "." (a relative --home) replaced every full stop,
+# "/srv" or "/tmp" would garble any answer about Linux, and "/a/b" or "/1/24" occur in fractions and
+# dates. What a short home hides is one directory name; every store path under it is longer and is
+# still replaced.
+MIN_PATH = 8
+
+
+def scrubbable(path: str) -> bool:
+    """Whether `path` is one the scrubber replaces (absolute, two components, MIN_PATH characters)."""
+    return (path.startswith("/") and len(path) >= MIN_PATH
+            and len([part for part in path.split("/") if part]) >= 2)
+
 
 @lru_cache(maxsize=1024)
 def _compile(paths: frozenset[str]) -> tuple[re.Pattern[bytes] | None, tuple[bytes, ...], bytes]:
-    pats = tuple(sorted({p.encode() for p in paths if p}, key=len, reverse=True))  # longest first wins
+    pats = tuple(sorted({p.encode() for p in paths if scrubbable(p)}, key=len, reverse=True))  # longest first wins
     regex = re.compile(b"|".join(re.escape(p) for p in pats)) if pats else None
     return regex, pats, bytes(sorted({p[0] for p in pats}))
 

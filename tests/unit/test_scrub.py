@@ -48,11 +48,19 @@ def test_an_event_ending_in_no_path_prefix_leaves_whole() -> None:
     assert s.feed(b'ib/fleet-agent/store"}') + s.flush() == b'chat/store"}'
 
 
-def test_paths_with_different_first_bytes_hold_from_the_earliest() -> None:
-    s = Scrubber(["/srv/home", "~/fleet"], "m")
-    assert s.feed(b"ab~/fl") == b"ab"
+def test_two_paths_hold_from_the_earliest() -> None:
+    s = Scrubber(["/srv/home", "/opt/fleet"], "m")
+    assert s.feed(b"ab/opt/fl") == b"ab"
     assert s.feed(b"eet /srv/h") == b"m "
     assert s.feed(b"ome.") + s.flush() == b"m."
+
+
+@pytest.mark.parametrize("short", [".", "./", "/", "/srv", "/tmp/", "/a/b", "/1/24", "fleet/home", "~/fleet-agent"])
+def test_a_path_shorter_than_the_minimum_or_relative_is_never_replaced(short: str) -> None:
+    text = b"The capital of France is Paris. See /srv, /tmp/x, /a/b, 1/24, fleet/home and ~/fleet-agent./"
+    s = Scrubber([short, HOME], "smol")
+    assert s.feed(text) + s.flush() == text
+    assert s.feed(f"at {HOME}.".encode()) + s.flush() == b"at smol."  # a real home still is
 
 
 @settings(max_examples=300, deadline=None)
