@@ -75,19 +75,19 @@ export function playground(ui) {
               if (first === null) first = performance.now();
               chunks += 1;
               ui.answer.append(document.createTextNode(text));
-              const secs = (performance.now() - first) / 1000;
-              stats(`${chunks} chunks · first after ${Math.round(first - started)} ms` +
-                (secs > 0 ? ` · ${(chunks / secs).toFixed(1)} chunks/s` : ""));
+              stats(`${chunks} chunks so far · first after ${Math.round(first - started)} ms`);
             }
           }
         }
       }
-      const secs = first === null ? 0 : (performance.now() - first) / 1000;
+      // The rate over the whole answer, first token included: a fast model's last tokens can
+      // arrive in one read, and a rate after the first would then be meaningless.
+      const secs = (performance.now() - started) / 1000;
       const tokens = usage ? usage.completion_tokens : chunks;
       ui.answer.dataset.state = "done";
       stats(`${usage ? `${usage.prompt_tokens} prompt tokens · ` : ""}${tokens} completion tokens` +
         (first !== null ? ` · first after ${Math.round(first - started)} ms` : "") +
-        (secs > 0 ? ` · ${(tokens / secs).toFixed(1)} tokens/s` : ""));
+        ` · ${secs.toFixed(2)} s in all · ${(tokens / secs).toFixed(1)} tokens/s`);
     } catch (e) {
       ui.answer.dataset.state = "failed";
       stats(e.name === "AbortError" ? "stopped" : `failed: ${e.message}`);
