@@ -13,7 +13,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from wire.ids import server_id
 
@@ -351,3 +354,51 @@ class Sampler:
             t.p50_s, t.p99_s = quantile(0.5, recent), quantile(0.99, recent)
             out[cluster] = t
         return out
+
+
+# ---- the same view as Prometheus metrics (examples/prometheus/alerts.yml alerts on them) ----
+
+class ViewCollector(Collector):
+    """Gauges computed from the view when /metrics is scraped: each cluster's members by state,
+    every corrupt copy of a model, and every replication under way with its bytes and rate.
+    Registered on ServeMetrics' registry by serve/run.py."""
+
+    def __init__(self, d: Desired, view: View) -> None:
+        self.d, self.view = d, view
+
+    def collect(self) -> Iterator[Metric]:
+        members = GaugeMetricFamily("fleet_cluster_members", "Cluster members by state, as the heartbeat saw them "
+                                    "(running, starting, failed, node_offline, missing, drained, drifted, ...)",
+                                    labels=["cluster", "state"])
+        for c in self.d.clusters.values():
+            digest = self.d.models[c.model].digest
+            counts: dict[str, int] = {"running": 0, "failed": 0}
+            for node in c.members:
+                state, _ = member_state(self.view, c, node, digest)
+                counts[state] = counts.get(state, 0) + 1
+            for state, n in sorted(counts.items()):
+                members.add_metric([c.name, state], n)
+        names = {m.digest: m.name for m in self.d.models.values()}
+        corrupt = GaugeMetricFamily("fleet_weights_corrupt", "1 for each copy of a model its agent's verification "
+                                    "found corrupt", labels=["node", "model"])
+        done = GaugeMetricFamily("fleet_replication_bytes_done", "Bytes a replication under way has on disk",
+                                 labels=["node", "model"])
+        total = GaugeMetricFamily("fleet_replication_bytes_total", "Bytes a replication under way fetches in all",
+                                  labels=["node", "model"])
+        rate = GaugeMetricFamily("fleet_replication_rate_bytes_per_second", "A replication's rate as its agent "
+                                 "measures it", labels=["node", "model"])
+        for name in self.d.nodes:
+            seen = self.view.nodes.get(name)
+            if seen is None:
+                continue
+            for w in seen.weights.values():
+                if w.corrupt:
+                    corrupt.add_metric([name, names.get(w.slice_of or w.digest, w.digest)], 1)
+            for f in fetches(seen, names, []):
+                if f["state"] != "fetching":
+                    continue
+                label = [name, f["model"] or str(f["digest"])]
+                done.add_metric(label, f["bytes_done"])
+                total.add_metric(label, f["bytes_total"])
+                rate.add_metric(label, f["rate"])
+        yield from (members, corrupt, done, total, rate)

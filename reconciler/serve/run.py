@@ -29,6 +29,7 @@ from reconciler.serve.heartbeat import Heartbeat, View
 from reconciler.serve.metrics import ServeMetrics
 from reconciler.serve.router import Router
 from reconciler.serve.streams import ServerTls, TlsFiles
+from reconciler.serve.overview import ViewCollector
 from reconciler.serve.ui.app import StatusPage, store_history
 
 log = logging.getLogger("fleet")
@@ -104,6 +105,7 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
         router = Router(desired, view, api_keys=keys, metrics=metrics,
                         refresh=roles.refresh if roles else heartbeat.refresh)
         router.ui = StatusPage(desired, view, metrics, store_history(store.sql.execute), router.keys)  # /ui
+        metrics.registry.register(ViewCollector(desired, view))  # members by state, corrupt copies, replications
         watcher = (DrainWatcher(drains, view, router.in_flight, roles.refresh if roles else heartbeat.refresh,
                                 on_change=metrics.draining.set,
                                 wait=(lambda limit: notifier.wait(DrainRows.CHANNEL, limit)) if notifier
