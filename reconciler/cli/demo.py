@@ -270,6 +270,7 @@ clusters:
         pids = " ".join(str(p.pid) for p in self.procs)
         self.say("The fleet keeps running (--keep)")
         self.out.print(f"""  OpenAI base URL:  http://{self.listen}/v1     models: local (llama.cpp), chat (PyTorch)
+  status page:      http://{self.listen}/ui     (the fleet live, and a playground)
   curl http://{self.listen}/v1/chat/completions -H 'content-type: application/json' \\
        -d '{{"model": "chat", "messages": [{{"role": "user", "content": "Name three French cities."}}]}}'
   fleet commands:   cd {shlex.quote(str(self.root))} && source env.sh && {BIN / 'fleet'} nodes -f fleet.yaml
