@@ -120,7 +120,7 @@ def variant_findings(gpu_count: int, gpu_note: str, eng: dict[str, Any],
     if torch is None:
         out.append(Finding("warning", "variant:torch",
                            "torch is not installed: this node cannot serve safetensors models "
-                           "(pip install 'fleet[torch]')"))
+                           "(pip install 'inference-fleet[torch]')"))
     elif gpu_count and torch["build"] != "cuda":
         out.append(Finding("error", "variant:torch",
                            f"{gpu_count} NVIDIA GPU(s) present but torch {torch['version']} is a "
@@ -138,7 +138,7 @@ def variant_findings(gpu_count: int, gpu_note: str, eng: dict[str, Any],
     if eng.get("llama_cpp") is None:
         out.append(Finding("warning", "variant:llama_cpp",
                            "llama-cpp-python is not installed: this node cannot serve GGUF models "
-                           "(pip install 'fleet[gguf]')"))
+                           "(pip install 'inference-fleet[gguf]')"))
     elif gpu_count and llama_gpu_offload is False:
         out.append(Finding("error", "variant:llama_cpp",
                            f"{gpu_count} NVIDIA GPU(s) present but llama-cpp-python {eng['llama_cpp']} was built "

@@ -90,7 +90,7 @@ def convert(gguf_file: Path, out: Path, dtype: str = "bfloat16") -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise ConvertError("not_installed", f"converting needs torch, transformers and gguf "
-                                            f"(pip install 'fleet[torch,gguf]'): {exc}") from None
+                                            f"(pip install 'inference-fleet[torch,gguf]'): {exc}") from None
     known = supported_architectures()
     if arch not in known:
         raise ConvertError("unknown_architecture", f"{gguf_file}: architecture {arch!r} is not one transformers "

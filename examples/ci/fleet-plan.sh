@@ -4,7 +4,7 @@
 #   validate: 0 valid, 3 invalid      plan: 0 no changes, 2 changes, 4 refused (plan errors)
 # Needs FLEET_CLUSTER_SECRET from the CI's secret store and a route to the agents.
 set -uo pipefail
-pip install fleet          # the core install: no torch, no llama.cpp
+pip install inference-fleet   # the core install: no torch, no llama.cpp
 fleet validate -f fleet.yaml --json > validate.json || { cat validate.json; exit 3; }
 fleet plan -f fleet.yaml --detailed-exitcode --json -o plan.json > plan-output.json
 rc=$?

@@ -65,7 +65,7 @@ def check_modules() -> None:
     if missing:
         extras = ",".join(sorted({NEEDED[m] for m in missing}))
         raise Unready(f"the demo needs {', '.join(missing)}, not installed here: run `bash scripts/install-dev` "
-                      f"from a checkout, or {sys.executable} -m pip install 'fleet[{extras}]'")
+                      f"from a checkout, or {sys.executable} -m pip install 'inference-fleet[{extras}]'")
 
 
 def prepare(root: Path) -> None:

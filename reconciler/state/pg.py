@@ -50,7 +50,7 @@ def _driver() -> Any:
         import psycopg
     except ImportError:
         raise StateError("postgres_driver_missing", "a postgresql:// state store needs psycopg 3, which is not "
-                         "installed", hint="pip install 'fleet[postgres]'") from None
+                         "installed", hint="pip install 'inference-fleet[postgres]'") from None
     return psycopg
 
 

@@ -306,7 +306,7 @@ def test_psycopg_is_loaded_only_for_a_postgresql_url(tmp_path: Path) -> None:
               "sys.exit(run(['alerts', '--json', '--state', 'postgresql://fleet@127.0.0.1:1/fleet']))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, done.stdout + done.stderr
-    assert '"code": "postgres_driver_missing"' in done.stdout and "fleet[postgres]" in done.stdout, done.stdout
+    assert '"code": "postgres_driver_missing"' in done.stdout and "inference-fleet[postgres]" in done.stdout, done.stdout
 
 
 def test_with_two_serves_drained_waits_for_the_followers_requests(backend: tuple[str, str], opened: Opener) -> None:

@@ -36,8 +36,8 @@ def test_llama_without_offload_on_a_gpu_node_names_the_rebuild() -> None:
 
 def test_missing_engines_name_the_extra() -> None:
     found = by_check(variant_findings(0, "", {"torch": None, "llama_cpp": None}))
-    assert "fleet[torch]" in found["variant:torch"].message
-    assert "fleet[gguf]" in found["variant:llama_cpp"].message
+    assert "inference-fleet[torch]" in found["variant:torch"].message
+    assert "inference-fleet[gguf]" in found["variant:llama_cpp"].message
 
 
 def test_writable_checks_the_nearest_existing_parent(tmp_path: Path) -> None:
