@@ -27,6 +27,7 @@ from reconciler.serve.scrub import scrub_reason
 
 PER_PAGE = 100  # nodes listed on one page of the overview
 MAX_PER_PAGE = 500
+CLUSTERS_SHOWN = 100  # cluster cards listed, those not wholly running first (every name is listed)
 MEMBERS_SHOWN = 50  # a cluster's members, or a model's holders, listed (the rest counted)
 ALERTS_SHOWN = 100
 APPLIES_SHOWN = 20
@@ -60,9 +61,24 @@ def node_status(view: View, name: str) -> str:
     return "unknown" if name not in view.misses else "offline"
 
 
+_BARS: dict[str, tuple[ObservedNode, list[JSON]]] = {}  # node → (the node object, its bars): a node unchanged
+# between beats is the very same object (observe.py), and its bars are not worked out again
+
+
 def gpu_bars(node: ObservedNode) -> list[JSON]:
     """Each GPU's memory: total, what fleet's servers reserve there (their `gpus` shares), what
     others use (used less fleet's), and free; as the agent's inventory reports them."""
+    kept = _BARS.get(node.name)
+    if kept is not None and kept[0] is node:
+        return kept[1]
+    bars = _gpu_bars(node)
+    if len(_BARS) > 200_000:
+        _BARS.clear()
+    _BARS[node.name] = (node, bars)
+    return bars
+
+
+def _gpu_bars(node: ObservedNode) -> list[JSON]:
     state = node.state or {}
     listed = (state.get("inventory") or {}).get("gpus") or []
     ours: dict[int, int] = {}
@@ -161,22 +177,35 @@ class Traffic:
 
 def cluster_json(d: Desired, view: View, c: ClusterSpec, traffic: Traffic | None) -> JSON:
     digest = d.models[c.model].digest
-    paths = node_paths(view.nodes.get(n) for n in c.members)
+    paths: list[str] | None = None  # the members' paths, gathered only when a reason needs scrubbing
     members = []
     counts: dict[str, int] = {}
-    for node in c.members:
+    for i, node in enumerate(c.members):
         state, reason = member_state(view, c, node, digest)
         counts[state] = counts.get(state, 0) + 1
-        members.append({"node": node, "state": state, "reason": scrubbed(reason, paths, c.name),
-                        "id": server_id(c.name, node)})
-    members.sort(key=lambda m: (m["state"] == "running", c.members.index(m["node"])))
+        # Only a server's own reason is the agent's words (the others are the heartbeat's own).
+        agents = state not in ("node_offline", "missing", "drained", "drifted")
+        if reason and agents and paths is None:
+            paths = node_paths(view.nodes.get(n) for n in c.members)
+        members.append((state == "running", i, {"node": node, "state": state,
+                                                "reason": scrubbed(reason, paths or [], c.name) if agents else reason,
+                                                "id": server_id(c.name, node)}))
+    shown = [m for _, _, m in sorted(members, key=lambda m: m[:2])[:MEMBERS_SHOWN]]
     t = traffic or Traffic()
     return {"name": c.name, "model": c.model, "port": c.port, "pipeline": c.pipeline is not None,
-            "members_total": len(c.members), "states": counts, "members": members[:MEMBERS_SHOWN],
+            "members_total": len(c.members), "states": counts, "members": shown,
             "serving": counts.get("running", 0) > 0 if c.pipeline is None else counts.get("running", 0) == len(c.members),
             "traffic": {"requests_per_s": round(t.requests_per_s, 3), "tokens_per_s": round(t.tokens_per_s, 3),
                         "errors_per_s": round(t.errors_per_s, 3), "p50_s": t.p50_s, "p99_s": t.p99_s,
                         "requests": t.requests, "window_s": round(t.window_s, 1)}}
+
+
+def clusters_json(d: Desired, view: View, traffic: Mapping[str, Traffic]) -> list[JSON]:
+    """Every cluster whose members are not all running, then the others, in file order; the first
+    CLUSTERS_SHOWN of them (a 10,000-node fleet's 1,000 clusters were 1.1 MB of JSON)."""
+    out = [cluster_json(d, view, c, traffic.get(c.name)) for c in d.clusters.values()]
+    out.sort(key=lambda c: c["states"].get("running", 0) == c["members_total"])
+    return out[:CLUSTERS_SHOWN]
 
 
 def weights_json(d: Desired, view: View, names: Mapping[str, str]) -> JSON:
@@ -191,9 +220,8 @@ def weights_json(d: Desired, view: View, names: Mapping[str, str]) -> JSON:
         seen = view.nodes.get(name)
         if seen is None:
             continue
-        paths = node_paths([seen])
-        verified = {w.get("digest"): (w.get("integrity") or {}).get("state", "unverified")
-                    for w in (seen.state or {}).get("weights") or [] if isinstance(w, dict)}
+        paths = node_paths([seen]) if seen.fetching or any(w.corrupt for w in seen.weights.values()) else []
+        verified: dict[str, str] | None = None  # read from the state only for a holder listed
         for w in seen.weights.values():
             whole = w.slice_of or w.digest
             entry = models.get(whole)
@@ -204,11 +232,15 @@ def weights_json(d: Desired, view: View, names: Mapping[str, str]) -> JSON:
             entry["holders_total"] += 1
             entry["corrupt"] += 1 if w.corrupt else 0
             if len(entry["holders"]) < MEMBERS_SHOWN or w.corrupt:
+                if verified is None:
+                    verified = {str(h.get("digest")): (h.get("integrity") or {}).get("state", "unverified")
+                                for h in (seen.state or {}).get("weights") or [] if isinstance(h, dict)}
                 entry["holders"].append({"node": name, "layers": w.layers if w.slice_of else None,
                                          "verification": "corrupt" if w.corrupt else verified.get(w.digest, "unverified"),
                                          "corrupt": scrubbed(w.corrupt, paths, "<path>"),
                                          "key_missing": w.key_missing, "bytes": w.bytes})
-        moving += fetches(seen, names, paths)
+        if (seen.state or {}).get("fetches"):
+            moving += fetches(seen, names, paths or node_paths([seen]))
     for entry in models.values():
         entry["holders"].sort(key=lambda h: (h["verification"] != "corrupt", h["node"]))
         del entry["holders"][MEMBERS_SHOWN:]
@@ -246,10 +278,10 @@ def matches(view: View, name: str, query: str, status: str) -> bool:
 
 def overview(d: Desired, view: View, *, alerts: Sequence[JSON] = (), applies: Sequence[JSON] = (),
              traffic: Mapping[str, Traffic] | None = None, page: int = 0, per_page: int = PER_PAGE,
-             query: str = "", status: str = "", scrub_paths: Sequence[str] = (), open_alerts: int | None = None) -> JSON:
+             query: str = "", status: str = "", open_alerts: int | None = None) -> JSON:
     """The page's whole view: a summary of the fleet, one page of nodes (those matching `query`, a
     part of the name, and `status`; offline and missed first), every cluster, alerts (open first),
-    the latest applies and the weights. `scrub_paths`: paths of every node, for alerts' causes."""
+    the latest applies and the weights."""
     names = {m.digest: m.name for m in d.models.values()}
     per_page = max(1, min(per_page, MAX_PER_PAGE))
     rank = {"offline": 0, "missed": 1, "unknown": 2, "online": 3}
@@ -258,22 +290,25 @@ def overview(d: Desired, view: View, *, alerts: Sequence[JSON] = (), applies: Se
     pages = max(1, math.ceil(len(picked) / per_page))
     page = max(0, min(page, pages - 1))
     shown = picked[page * per_page:(page + 1) * per_page]
-    paths = list(scrub_paths)
     return {
         "summary": summary(d, view, alerts, open_alerts),
         "nodes": {"total": len(picked), "page": page, "pages": pages, "per_page": per_page, "query": query,
                   "status": status, "items": [node_json(d, view, n, names) for n in shown]},
-        "clusters": [cluster_json(d, view, c, (traffic or {}).get(c.name)) for c in d.clusters.values()],
-        "alerts": alerts_json(alerts, paths),
+        "clusters": clusters_json(d, view, traffic or {}),
+        "clusters_total": len(d.clusters),
+        "cluster_names": [{"name": c.name, "model": c.model} for c in d.clusters.values()],
+        "alerts": alerts_json(alerts, view),
         "applies": list(applies[:APPLIES_SHOWN]),
         "weights": weights_json(d, view, names),
     }
 
 
-def alerts_json(alerts: Sequence[JSON], paths: list[str]) -> list[JSON]:
-    """Open alerts first (newest first), then the cleared ones, newest first; ALERTS_SHOWN of them."""
+def alerts_json(alerts: Sequence[JSON], view: View) -> list[JSON]:
+    """Open alerts first (newest first), then the cleared ones, newest first; ALERTS_SHOWN of them,
+    each cause scrubbed of its node's paths (and every other path)."""
     ordered = sorted(alerts, key=lambda a: (a.get("cleared_at") is not None, -int(a.get("id") or 0)))
-    return [{**a, "cause": scrubbed(a.get("cause"), paths, "<path>")} for a in ordered[:ALERTS_SHOWN]]
+    return [{**a, "cause": scrubbed(a.get("cause"), node_paths([view.nodes.get(str(a.get("node")))]), "<path>")}
+            for a in ordered[:ALERTS_SHOWN]]
 
 
 def apply_json(row: Sequence[Any], results: Sequence[Mapping[str, Any]]) -> JSON:

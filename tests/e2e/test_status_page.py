@@ -167,6 +167,9 @@ def test_the_page_shows_the_fleet_and_a_failed_servers_full_reason_as_text(serve
     gpu = page.locator('[data-node="a"] .bar').first  # simulated, as NVML would report them: 18 GiB used by others
     assert "others 18.0 GiB, free 62.0 GiB" in (gpu.get_attribute("aria-label") or "")
     expect(page.locator("#applies")).to_contain_text("failed")
+    # The same failure as Prometheus sees it (examples/prometheus/alerts.yml alerts on it).
+    scraped = httpx.get(f"{served.base}/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=30).text
+    assert 'fleet_cluster_members{cluster="bad",state="failed"} 1.0' in scraped, scraped
     shot(page, "status-page.png", tmp_path)
     page.set_viewport_size({"width": 390, "height": 844})  # a phone: nothing wider than the screen
     assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")

@@ -127,7 +127,7 @@ def test_alerts_open_first_then_newest_and_causes_scrubbed() -> None:
               {"id": 2, "node": "fleet", "kind": "drift", "cause": "1 to start", "raised_at": "t3", "cleared_at": None},
               {"id": 3, "node": "b", "kind": "node_offline", "cause": "at /srv/b-home/x", "raised_at": "t4",
                "cleared_at": "t5"}]
-    out = ov.alerts_json(alerts, ["/srv/b-home"])
+    out = ov.alerts_json(alerts, view(b=state("b")))
     assert [a["id"] for a in out] == [2, 3, 1] and out[1]["cause"] == "at <path>"
 
 
@@ -244,3 +244,20 @@ def test_with_keys_the_data_needs_the_key_or_the_login_cookie() -> None:
     assert call(router, "GET", "/ui/api/overview", cookies={COOKIE: session_token(b"other")}).status_code == 401
     # The OpenAI routes still ask for the key itself: the cookie opens the page, not the API.
     assert call(router, "GET", "/v1/models", cookies={COOKIE: token}).status_code == 401
+
+
+def test_many_clusters_those_not_running_first_and_every_name_for_the_playground() -> None:
+    base = desired(300)
+    names = list(base.nodes)
+    clusters = {f"c{k}": ClusterSpec(f"c{k}", "m", (names[k],), 9001) for k in range(300)}
+    d = Desired(1, base.control_plane, base.nodes, base.models, (), clusters)
+    v = View()
+    for k, name in enumerate(names):
+        st = state(name)
+        st["servers"] = [{"id": f"c{k}@{name}", "state": "failed" if k == 250 else "running", "model": DIGEST,
+                          "port": 9001, "reason": "boom"}]
+        v.nodes[name], v.online[name], v.misses[name] = node_from_state(name, st), True, 0
+    o = ov.overview(d, v)
+    assert o["clusters_total"] == 300 and len(o["clusters"]) == ov.CLUSTERS_SHOWN
+    assert o["clusters"][0]["name"] == "c250" and o["clusters"][0]["members"][0]["reason"] == "boom"
+    assert [c["name"] for c in o["cluster_names"]] == list(clusters)

@@ -33,12 +33,14 @@ function draw(o) {
   $("prev").disabled = n.page <= 0;
   $("next").disabled = n.page >= n.pages - 1;
   $("pager").hidden = n.pages <= 1;
-  $("cluster-list").replaceChildren(...(o.clusters.length ? o.clusters.map(render.cluster) : [render.el("p", {}, "no clusters")]));
+  const more = o.clusters_total > o.clusters.length
+    ? [render.el("p", { class: "more" }, `${o.clusters.length} of ${o.clusters_total} clusters shown: those not wholly running first`)] : [];
+  $("cluster-list").replaceChildren(...(o.clusters.length ? o.clusters.map(render.cluster) : [render.el("p", {}, "no clusters")]), ...more);
   $("weight-list").replaceChildren(...o.weights.models.map(render.model));
   $("replication-list").replaceChildren(...render.replications(o.weights));
   $("alert-list").replaceChildren(...render.alerts(o.alerts));
   $("apply-list").replaceChildren(...render.applies(o.applies));
-  pg.clusters(o.clusters, o.auth);
+  pg.clusters(o.cluster_names, o.auth);
   live(`live · beat ${o.summary.beats} · ${new Date().toLocaleTimeString()}`, "live");
 }
 

@@ -164,7 +164,7 @@ class StatusPage:
         out = ov.overview(self.desired, self.view, alerts=alerts, applies=applies, traffic=self.traffic(),
                           page=page, per_page=per_page, query=params.get("q", "")[:200],
                           status=params.get("status", "") if params.get("status") in ov.STATUSES else "",
-                          scrub_paths=ov.node_paths(self.view.nodes.values()), open_alerts=open_count)
+                          open_alerts=open_count)
         out["auth"] = bool(self.keys)
         return out
 
