@@ -197,7 +197,7 @@ class StatusPage:
         elif path.startswith("/ui/static/") and method in ("GET", "HEAD"):
             response = self.static(request, path.removeprefix("/ui/static/"))
         elif path == "/ui/api/overview" and method == "GET":
-            response = (JSONResponse(json.loads(self.encoded(dict(request.query_params))))
+            response = (Response(self.encoded(dict(request.query_params)), media_type="application/json")
                         if self.authorized(request) else _refused())
         elif path == "/ui/api/events" and method == "GET":
             if not self.authorized(request):
