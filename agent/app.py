@@ -54,7 +54,7 @@ def assemble(home: Path, identity: Identity, secret: bytes, version: str, gpu_pr
         spawner(verifier.run, verify_every_s)
     return AgentContext(home=home, identity=identity, secret=secret, version=version, gpu_probe=gpu_probe,
                         store=store, fetcher=fetcher,
-                        workers=Workers(home, store, spawner, launcher, listen_host), spawner=spawner,
+                        workers=Workers(home, store, spawner, launcher, listen_host, secret=secret), spawner=spawner,
                         windows=windows, clock=clock,
                         engines=environment.engines() if engines is None else engines, verifier=verifier)
 

@@ -146,16 +146,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_connections is not None and args.max_connections < 1:
         raise Refused(f"--max-connections {args.max_connections}: expected 1 or more")
+    try:
+        control_plane = frozenset(str(ipaddress.ip_address(a)) for a in args.control_plane or ())
+    except ValueError as exc:
+        raise Refused(f"--control-plane: {exc} (an IP address the control plane connects from)") from None
 
     from agent.app import assemble, create_app
     from agent.backends.launch import ProcessLauncher
     from agent.api.server import serve
 
     ctx = assemble(home, ident, secret, __version__, probe, ProcessLauncher(), listen_host=host, windows=wins,
-    try:
-        control_plane = frozenset(str(ipaddress.ip_address(a)) for a in args.control_plane or ())
-    except ValueError as exc:
-        raise Refused(f"--control-plane: {exc} (an IP address the control plane connects from)") from None
                    verify_every_s=verify_every, disk_reserve=reserve, weights_key=weights_key, peer_tls=peer_tls)
     app = create_app(ctx)
     return serve(app, host, port, ident, spawner=ctx.spawner, workers=ctx.workers,

@@ -23,7 +23,7 @@ from wire.state import PipelineInfo, ServerEntry, ServerExit, WeightsEntry
 
 from agent.serving import registry
 from agent.auth import WORKER_CREDENTIAL_ENV, new_worker_credential
-from agent.backends.pipeline.spec import check_details
+from agent.backends.pipeline.spec import PIPELINE_KEY_ENV, check_details, group_key
 from agent.backends.launch import BadSettings, Launcher, LaunchSpec, Process
 from agent.weights.store import Store, WeightStore
 from agent.weights.unseal import Unsealer
@@ -122,8 +122,9 @@ class Workers:
     """The agent's table of servers, and the supervision of each one's process."""
 
     def __init__(self, home: Path, store: WeightStore, spawn: Callable[..., None], launcher: Launcher,
-                 default_host: str, specs: Mapping[str, LaunchSpec] = registry.BACKENDS) -> None:
+                 default_host: str, specs: Mapping[str, LaunchSpec] = registry.BACKENDS, secret: bytes = b"") -> None:
         self.store = store
+        self.secret = secret  # the cluster secret: a pipeline stage's rendezvous secret is derived from it
         self.spawn = spawn
         self.launcher = launcher
         self.specs = specs  # the engines this agent can start, by backend name
@@ -252,11 +253,18 @@ class Workers:
             self.spawn(self._supervise, server, spec)
         return server
 
+    def _stage_env(self, server: Server) -> dict[str, str]:
+        """A pipeline stage's rendezvous secret, which its group's stages prove at the rendezvous
+        (agent/backends/pipeline/group.py): derived from the cluster secret, in no plan."""
+        if server.pipeline is None or not self.secret:
+            return {}
+        return {PIPELINE_KEY_ENV: group_key(self.secret, server.pipeline["group"])}
+
     async def _supervise(self, server: Server, spec: LaunchSpec, keep_fds: Sequence[int] = ()) -> None:
         timeout = float(server.settings.get("startup_timeout_s") or DEFAULT_STARTUP_TIMEOUT_S)
         try:
-            proc = self.launcher.launch(server.argv, server.log, {WORKER_CREDENTIAL_ENV: server.credential},
-                                        keep_fds)
+            proc = self.launcher.launch(server.argv, server.log, {**self._stage_env(server),
+                                                                  WORKER_CREDENTIAL_ENV: server.credential}, keep_fds)
         except OSError as exc:
             server.state, server.reason = "failed", f"could not start {server.argv[0]}: {exc}"
             return

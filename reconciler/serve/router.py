@@ -162,7 +162,7 @@ class Router:
         if server.state != "running":
             # The full reason (the engine's own words, the tail of its output), so a client learns
             # why without a shell on the node; scrubbed of the node's paths and any other path.
-            reason = scrub_reason(server.reason.strip(), self.scrubber(c, node).paths, c.name) if server.reason else ""
+            reason = scrub_reason(server.reason.strip() if c.pipeline is None else server.reason.strip().splitlines()[0], self.scrubber(c, node).paths, c.name) if server.reason else ""  # a stage's: its fixed sentence, no output tail
             return False, f"{node}: server {server.state}" + (f" ({reason})" if reason else "")
         return True, ""
 

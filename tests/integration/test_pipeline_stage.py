@@ -301,9 +301,9 @@ def test_a_stage_that_cannot_load_fails_the_group(models: Path, tmp_path: Path) 
     p = Pipeline([first, first], spans, tmp_path, wait=False)  # stage 1 is handed the first slice
     try:
         assert p.exits(120) == [3, 3]
-        reason = (f"pipeline stage 1 (node node1, {ADDRESSES[1]}:{p.port}, layers 2-3) could not load its "
-                  f"slice: {first} holds layers 0-1, not all of 2-3")
-        assert [r.read_text().strip() for r in p.reasons] == [reason, reason]
+        reason = f"pipeline stage 1 (node node1, {ADDRESSES[1]}:{p.port}, layers 2-3) could not load its slice"
+        assert [r.read_text().strip() for r in p.reasons] == [reason, reason]  # the group's: a code, no text
+        assert f"{reason}: {first} holds layers 0-1, not all of 2-3" in p.output(1)  # what it saw, in its own log
     finally:
         p.stop()
 

@@ -92,8 +92,9 @@ def test_a_failed_stage_is_a_503_naming_its_machine_and_reason_scrubbed(states: 
     assert error["message"].startswith("pipeline 'big' is not serving: ")
     named = "b: server failed (pipeline stage 1 (node b, 10.0.0.3:9003, layers 10-19) stopped answering"
     assert named in error["message"]
-    # The whole reason (its traceback too: #16 part 4), with the stage's store path scrubbed.
-    assert "/srv/" not in error["message"] and 'Traceback (most recent call last):\n  File "stage.py"' in error["message"]
+    # The stage's one sentence only (issue 31): no output tail, traceback or path reaches an API client
+    # (fleet status shows operators the whole reason: the test below).
+    assert "/srv/" not in error["message"] and "Traceback" not in error["message"] and "\n" not in error["message"]
 
 
 def test_a_stage_still_starting_holds_the_pipeline_back() -> None:

@@ -33,12 +33,16 @@ MAX_REPLY = 4096  # tokens in one reply at most (rows of one step)
 MAX_PENDING = 64  # sends not yet taken by their receiver before this stage waits for the oldest
 
 
-class LinkError(Exception):
-    """A receive or send to `peer` failed: `detail` says how (closed, or silent past the timeout)."""
+SILENT, CLOSED = "silent", "closed"  # LinkError.detail for the two usual ways a peer is lost
 
-    def __init__(self, peer: int, detail: str) -> None:
+
+class LinkError(Exception):
+    """A receive or send to `peer` failed: `detail` says how (CLOSED, SILENT past `timeout_s`, or
+    the first line of what torch said)."""
+
+    def __init__(self, peer: int, detail: str, timeout_s: float = 0.0) -> None:
         super().__init__(detail)
-        self.peer, self.detail = peer, detail
+        self.peer, self.detail, self.timeout_s = peer, detail, timeout_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +62,9 @@ class Step:
 def _detail(exc: BaseException, timeout_s: float) -> str:
     text = str(exc)
     if "Timed out" in text or "timed out" in text or "Timeout" in text:
-        return f"nothing arrived within {timeout_s:g} s"
+        return SILENT
     if "closed" in text or "reset" in text or "Broken pipe" in text:
-        return "its connection closed"
+        return CLOSED
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return first[:300]
 
@@ -102,7 +106,7 @@ class Link:
         try:
             work = dist.isend(tensor, self.next, tag=tag)
         except RuntimeError as exc:
-            raise LinkError(self.next, _detail(exc, self.timeout_s)) from None
+            raise LinkError(self.next, _detail(exc, self.timeout_s), self.timeout_s) from None
         for kind, n in counts.items():
             self.sent[kind] += n
         self.sent["messages"] += 1
@@ -152,13 +156,13 @@ class Link:
         try:
             return dist.irecv(tensor, self.prev, tag=tag)
         except RuntimeError as exc:
-            raise LinkError(self.prev, _detail(exc, self.timeout_s)) from None
+            raise LinkError(self.prev, _detail(exc, self.timeout_s), self.timeout_s) from None
 
     def _wait(self, work: Any, peer: int) -> None:
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
-            raise LinkError(peer, _detail(exc, self.timeout_s)) from None
+            raise LinkError(peer, _detail(exc, self.timeout_s), self.timeout_s) from None
 
     def _next(self, tag: int) -> torch.Tensor:
         """The buffer the posted receive filled; the receive after it is posted into the other."""

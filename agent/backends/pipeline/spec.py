@@ -4,6 +4,8 @@ Also the check of those pipeline details, shared by the agent (before any proces
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import sys
 from typing import Any
@@ -14,6 +16,16 @@ from wire.plan_details import PipelineDetails
 from agent.backends.launch import BadSettings, Command, LaunchSpec, ModelPath
 
 NAME = "pipeline"
+
+# The secret a group's stages share, in a stage's environment (never on its command line, in the
+# plan or in fleet.yaml): each stage's agent derives it from the cluster secret and the group id.
+PIPELINE_KEY_ENV = "FLEET_PIPELINE_KEY"
+
+
+def group_key(cluster_secret: bytes, group: str) -> str:
+    """The rendezvous secret of pipeline `group`: the same on every agent of the cluster, unknown to
+    anyone without the cluster secret (the group id alone is printed by `fleet plan`)."""
+    return hmac.new(cluster_secret, b"fleet pipeline rendezvous\0" + group.encode(), hashlib.sha256).hexdigest()
 
 
 def _text(value: Any, where: str) -> str:
@@ -63,6 +75,9 @@ def check_details(value: Any) -> PipelineDetails:
         checked["stages"].append({"node": _text(s.get("node"), f"stages[{i}].node"),
                                   "address": _text(s.get("address"), f"stages[{i}].address"),
                                   "layers": str(layers)})
+    if checked["stages"] and checked["rendezvous"]["address"] != checked["stages"][0]["address"]:
+        raise BadSettings(f"pipeline rendezvous.address {checked['rendezvous']['address']} must be stage 0's address "
+                          f"{checked['stages'][0]['address']}: the rendezvous store lives in the first stage")
     return checked
 
 

@@ -28,10 +28,11 @@ from typing import Any, Callable
 
 import torch
 
-from agent.backends.pipeline.group import Group, GroupSpec, PipelineFailed
-from agent.backends.pipeline.link import Link, LinkError
+from agent.backends.pipeline.group import Fault, Group, GroupSpec, PipelineFailed
+from agent.backends.pipeline.link import CLOSED, SILENT, Link, LinkError
 from agent.backends.pipeline.model import LoadError, SliceModel, load_slice
 from agent.backends.pipeline.rows import Ledger, Sampler
+from agent.backends.pipeline.spec import PIPELINE_KEY_ENV
 from agent.backends.pipeline.web import Failure, Status, serve
 from agent.backends.torch.worker import DTYPES, STREAM_BUFFER, Served
 
@@ -113,14 +114,14 @@ def _loaded(spec: GroupSpec, model: SliceModel, link: Link) -> None:
           file=sys.stderr, flush=True)
 
 
-def stage(args: argparse.Namespace, spec: GroupSpec, status: Status, failure: Failure) -> None:
+def stage(args: argparse.Namespace, spec: GroupSpec, status: Status, failure: Failure, key: str) -> None:
     from agent.backends.pipeline.engine import PipelineEngine
     from agent.backends.torch.worker import create_app
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    group = Group.form(spec, args.join_timeout, args.recv_timeout)
+    group = Group.form(spec, args.join_timeout, args.recv_timeout, key)
     failure.group = group
     group.watch(failure, args.silence_timeout, lambda: status.ready)
     model = load_slice(Path(args.model), spec.me.layers, device, args.dtype)
@@ -153,17 +154,20 @@ def guarded(fn: Callable[[], None], spec: GroupSpec, failure: Failure) -> None:
     """Run the stage; whatever ends it becomes the group's one-line reason."""
     try:
         fn()
-        failure(f"{spec.me} stopped: the pipeline failed")
+        failure(Fault("stopped", (spec.rank,)))
     except PipelineFailed as exc:
-        failure(exc.reason)
+        failure(exc.fault, exc.detail)
     except LinkError as exc:
-        failure(f"{spec.stages[exc.peer]} stopped answering: {exc.detail}")
+        if exc.detail == SILENT:
+            failure(Fault("no_answer", (exc.peer,), exc.timeout_s))
+        else:
+            failure(Fault("closed" if exc.detail == CLOSED else "link_failed", (exc.peer,)), exc.detail)
     except LoadError as exc:
-        failure(f"{spec.me} could not load its slice: {exc}")
-    except BaseException as exc:  # a bug or the device failing: the log has the trace, the group the line
+        failure(Fault("load_failed", (spec.rank,)), str(exc))
+    except BaseException as exc:  # a bug or the device failing: the log has the trace, the group the code
         traceback.print_exc(file=sys.stderr)
         text = str(exc).strip().splitlines()
-        failure(f"{spec.me} failed: {type(exc).__name__}: {text[0] if text else ''}")
+        failure(Fault("failed", (spec.rank,)), f"{type(exc).__name__}: {text[0] if text else ''}")
 
 
 def main() -> None:
@@ -191,9 +195,13 @@ def main() -> None:
         sys.exit(2)
     if args.threads:
         torch.set_num_threads(args.threads)
+    key = os.environ.pop(PIPELINE_KEY_ENV, "")  # out of the environment: nothing the stage starts inherits it
+    if not key:
+        print(f"warning: {PIPELINE_KEY_ENV} is not set: this stage's rendezvous keys are named by the group id "
+              "alone, which anyone who can reach the rendezvous port may read and write", file=sys.stderr, flush=True)
     status = Status(spec)
     failure = Failure(status, Path(args.reason_file) if args.reason_file else None, grace_s=2.0 if spec.rank == 0 else 0.5)
-    threading.Thread(target=guarded, args=(lambda: stage(args, spec, status, failure), spec, failure),
+    threading.Thread(target=guarded, args=(lambda: stage(args, spec, status, failure, key), spec, failure),
                      name="pipeline-stage", daemon=True).start()
     serve(status, args.host, args.port)
     os._exit(failure.code)

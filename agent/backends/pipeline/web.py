@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from agent.backends.asgi import answer_lifespan
 from agent.auth import worker_guard
 from agent.backends import openai_wire as wire
-from agent.backends.pipeline.group import Group, GroupSpec
+from agent.backends.pipeline.group import Fault, Group, GroupSpec
 
 EXIT_FAILED = 3  # the reason is the last line of stderr and in --reason-file
 
@@ -81,13 +81,19 @@ class Failure:
         self._lock = threading.Lock()
         self._done = False
 
-    def __call__(self, reason: str) -> None:
+    def __call__(self, fault: Fault, detail: str = "") -> None:
+        """`fault` ends the stage (the group's own if one was posted first); `detail`, what this
+        stage saw, goes to its log only: the reason is the fault's sentence, nothing relayed."""
         with self._lock:
             if self._done:
                 return
             self._done = True
         if self.group is not None:
-            reason = self.group.post(reason)
+            posted = self.group.post(fault)
+            detail, fault = (detail if posted == fault else ""), posted
+        reason = fault.render(self.status.spec)
+        if detail:
+            print(f"{reason}: {detail}", file=sys.stderr, flush=True)
         self.status.reason = reason
         self.code = EXIT_FAILED
         for callback in self.callbacks:
