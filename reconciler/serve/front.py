@@ -30,7 +30,7 @@ import trio
 from starlette.types import ASGIApp, Message
 
 from reconciler.agents import sockio
-from reconciler.serve.http1 import SLICE, Limits, Parser, Refused, Request, error_response, response_head
+from reconciler.serve.http1 import SLICE, Admit, Limits, Parser, Refused, Request, error_response, response_head
 from reconciler.serve.streams import ByteStream, PlainStream, ServerTls
 
 __all__ = ["Front", "Limits", "connection_cap"]
@@ -46,6 +46,10 @@ READ = 64 * 1024
 RESERVED_FDS = 64 + 64 + 100 + 32
 LINGER_MAX = 32
 LINGER_S = 1.0  # a refused client's bytes are read (and dropped) this long, so the 503 is not reset
+# After a refusal on a connection (a 401 before the body, a 413), at most this much more of what
+# the client sends is read and dropped (within LINGER_S) before closing: enough for the refusal
+# to reach a client that is still sending, not enough to take in the body it refused.
+REFUSED_LINGER_BYTES = 64 * 1024
 
 
 def connection_cap(nofile: int | None = None) -> int:
@@ -65,11 +69,13 @@ class ClientGone(Exception):
 class Front:
     """`on_drop(reason)` is told of every connection dropped to stay within the cap: "evicted"
     (the one waiting longest for a request, closed to admit a new one) or "refused" (every
-    connection busy: 503 too_many_connections, or a plain close on a TLS port)."""
+    connection busy: 503 too_many_connections, or a plain close on a TLS port). `admit` sees each
+    request's head before its body is read (http1.Parser): the router's API key check."""
 
     def __init__(self, app: ASGIApp, limits: Limits | None = None, *, tls: ServerTls | None = None,
-                 on_drop: Callable[[str], None] | None = None) -> None:
+                 on_drop: Callable[[str], None] | None = None, admit: Admit | None = None) -> None:
         self.app = app
+        self.admit = admit
         self.limits = limits or Limits()
         self.cap = self.limits.max_connections or connection_cap()
         self.tls = tls
@@ -179,7 +185,7 @@ class Connection:
 
     def __init__(self, front: Front, stream: ByteStream) -> None:
         self.front, self.stream = front, stream
-        self.parser = Parser(front.limits)
+        self.parser = Parser(front.limits, front.admit)
         self.pending = bytearray()  # read, not yet parsed: at most Limits.read_ahead while a response runs
         self.counted = True  # against the front's cap (until evicted)
 
@@ -229,6 +235,8 @@ class Connection:
                         await self.stream.send(b"HTTP/1.1 100 Continue\r\n\r\n", limits.write_timeout)
                     if parser.ready:
                         return parser.ready.popleft()
+                    if parser.refused is not None:  # met behind requests now answered
+                        raise parser.refused
                     if current is not None:
                         # The head must be whole within read_timeout of its first byte (a client
                         # that sends a byte now and then cannot hold a connection forever); a body
@@ -254,9 +262,20 @@ class Connection:
         return None
 
     async def refuse(self, status: int, message: str, code: str) -> None:
-        """Answer with a JSON error and `connection: close` (the caller closes)."""
+        """Answer with a JSON error and `connection: close` (the caller closes). What the client
+        is still sending (the body of a request refused by its head) is not taken in: at most
+        REFUSED_LINGER_BYTES more are read and dropped, so that closing with them unread does
+        not reset the connection before the answer is delivered; then the caller closes."""
         try:
             await self.stream.send(error_response(status, message, code), self.front.limits.write_timeout)
+            self.stream.end_send()
+            with trio.move_on_after(LINGER_S):
+                dropped = 0
+                while dropped < REFUSED_LINGER_BYTES:
+                    data = await self.stream.receive(min(READ, REFUSED_LINGER_BYTES - dropped))
+                    if not data:
+                        break
+                    dropped += len(data)
         except (OSError, trio.ClosedResourceError, trio.TooSlowError):
             pass
 

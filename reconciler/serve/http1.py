@@ -8,6 +8,7 @@ import re
 from collections import deque
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Callable
 
 import httptools
 
@@ -29,7 +30,12 @@ class Limits:
     """Bounds on what one client may make the front hold or wait for."""
 
     max_head: int = 64 * 1024          # request line + headers (431 beyond)
-    max_body: int = 32 * 1024 * 1024   # a prompt larger than this is refused with 413
+    # A request body larger than this is refused with 413, from its Content-Length before a byte
+    # of it is read, or as soon as a chunked one grows past it. 4 MiB: a chat request for a
+    # 128k-token context is about 0.5 MiB of English (under 1 MiB as JSON's \u escapes of CJK), and
+    # every byte of a body is held, and copied, until the worker has it (at 32 MiB, 40 clients
+    # with a key took fleet serve past 3 GB). FLEET_MAX_REQUEST_BODY sets it (serve/run.py).
+    max_body: int = 4 * 1024 * 1024
     keep_alive: float = 60.0           # an idle connection is closed after this long
     read_timeout: float = 30.0         # a head must be whole, and a body keep arriving, within this (408)
     write_timeout: float = 60.0        # a client that takes no bytes for this long is dropped
@@ -100,22 +106,43 @@ class Request:
     continued: bool = False  # a "100 Continue" was sent, or not needed
 
 
-class Parser:
-    """httptools callbacks gathered into whole requests, in arrival order (pipelining)."""
+Admit = Callable[["Request"], None]  # a request's head → nothing, or Refused before its body is read
 
-    def __init__(self, limits: Limits) -> None:
+
+class Parser:
+    """httptools callbacks gathered into whole requests, in arrival order (pipelining). `admit`
+    sees each head as soon as it is whole (the router's API key check): what it refuses is
+    answered before a byte of the body is read."""
+
+    def __init__(self, limits: Limits, admit: Admit | None = None) -> None:
         self.limits = limits
+        self.admit = admit
         self.parser = httptools.HttpRequestParser(self)
         self.ready: deque[Request] = deque()
         self.current: Request | None = None
         self.head_bytes = 0
+        # A refusal met while earlier requests of the same read wait in `ready`: raised once they
+        # are answered (pipelining), and nothing more is parsed meanwhile.
+        self.refused: Refused | None = None
 
     def feed(self, data: bytes) -> None:
+        if self.refused is not None:
+            raise self.refused
+        try:
+            self._feed(data)
+        except Refused as exc:
+            if not self.ready:
+                raise
+            self.refused = exc
+
+    def _feed(self, data: bytes) -> None:
         if self.current is None or not self.current.head_done:
             self.head_bytes += len(data)  # an upper bound until the head is complete
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
+            if self.ready and any(k == b"upgrade" for k, _ in self.ready[-1].headers):
+                self.ready.pop()  # the request that asks for the upgrade is not answered either
             raise Refused(400, "protocol upgrades are not served here") from None
         except httptools.HttpParserCallbackError as exc:
             why = exc.__cause__ or exc.__context__  # what our callback raised
@@ -157,6 +184,8 @@ class Parser:
         r.method, r.version, r.keep_alive = self.parser.get_method(), self.parser.get_http_version(), \
             self.parser.should_keep_alive()
         check_host(r)
+        if self.admit is not None:
+            self.admit(r)
         length = next((v for k, v in r.headers if k == b"content-length"), None)
         if length is not None and length.isdigit() and int(length) > self.limits.max_body:
             raise Refused(413, f"the request body is over {self.limits.max_body} bytes")

@@ -56,6 +56,22 @@ def api_keys(desired: Desired) -> list[str] | None:
     return keys
 
 
+MAX_BODY_ENV = "FLEET_MAX_REQUEST_BODY"
+
+
+def max_body() -> int:
+    """The front's request-body limit in bytes: FLEET_MAX_REQUEST_BODY, or http1.Limits' default
+    (4 MiB; why there)."""
+    default = Limits().max_body
+    value = os.environ.get(MAX_BODY_ENV, "").strip()
+    if not value:
+        return default
+    if not value.isascii() or not value.isdigit() or len(value) > 12 or not 1024 <= int(value) <= 1 << 30:
+        raise ServeRefused(f"{MAX_BODY_ENV}={value[:40]!r} is not a number of bytes from 1024 to 1073741824 "
+                           f"(unset: {default})")
+    return int(value)
+
+
 def server_tls(desired: Desired) -> ServerTls | None:
     spec = desired.control_plane.tls
     if spec is None:
@@ -74,6 +90,7 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
     heartbeat while it holds the leadership lock, and follows the leader's rows otherwise
     (serve/leader.py); changes arrive by NOTIFY."""
     keys = api_keys(desired)
+    body_limit = max_body()
     tls = server_tls(desired)
     nofile = raise_descriptor_limit()  # the front's connection cap follows it
     # The heartbeat keeps a connection per agent between beats (transport.SocketTransport), out
@@ -113,8 +130,9 @@ async def serve(desired: Desired, secret: str, store: ServeRecord, *, interval: 
                                 answers=(lambda: roles.leading) if roles else (lambda: True), name=name)
                    if drains is not None else None)
         host, _, port = desired.control_plane.listen.rpartition(":")
-        front = Front(router.app(), Limits(max_connections=connection_cap(nofile - kept)), tls=tls,
-                      on_drop=lambda reason: metrics.connections_dropped.labels(reason).inc())
+        front = Front(router.app(), Limits(max_connections=connection_cap(nofile - kept), max_body=body_limit),
+                      tls=tls, on_drop=lambda reason: metrics.connections_dropped.labels(reason).inc(),
+                      admit=router.admit)
         metrics.connections.set_function(lambda: front.live)
         listeners = front.listen(host.strip("[]"), int(port))
         stop = trio.Event()

@@ -32,6 +32,9 @@ class ByteStream(Protocol):
     def addresses(self) -> tuple[tuple[str, int], tuple[str, int]]:
         """(client, server) addresses."""
 
+    def end_send(self) -> None:
+        """Nothing more will be sent (a FIN after the last answer, where the stream can say so)."""
+
     def close(self) -> None:
         """Close now, waking any task waiting on the connection."""
 
@@ -53,6 +56,12 @@ class PlainStream:
 
     def addresses(self) -> tuple[tuple[str, int], tuple[str, int]]:
         return tuple(self.sock.getpeername()[:2]), tuple(self.sock.getsockname()[:2])
+
+    def end_send(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the client is gone already
 
     def close(self) -> None:
         sockio.close(self.sock)
@@ -91,6 +100,9 @@ class TlsStream(PlainStream):
                 await self.tls.send_all(data)
         except trio.BrokenResourceError as exc:
             raise ConnectionResetError(str(exc.__cause__ or exc)) from None
+
+    def end_send(self) -> None:
+        pass  # a FIN under TLS would be a truncation to the client: the close that follows ends it
 
 
 @dataclass(frozen=True, slots=True)
