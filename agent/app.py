@@ -49,12 +49,12 @@ def assemble(home: Path, identity: Identity, secret: bytes, version: str, gpu_pr
     store = Store(home, weights_key)
     store.sweep()  # what a crashed import or commit left half-written
     fetcher = Fetcher(store, secret.decode(), spawner, peer_tls, node=identity.name, reserve=disk_reserve)
-    verifier = Verifier(store, fetcher)
+    workers = Workers(home, store, spawner, launcher, listen_host, secret=secret)
+    verifier = Verifier(store, fetcher, workers.model_corrupt)  # a model found corrupt fails its servers at once
     if verify_every_s is not None:
         spawner(verifier.run, verify_every_s)
     return AgentContext(home=home, identity=identity, secret=secret, version=version, gpu_probe=gpu_probe,
-                        store=store, fetcher=fetcher,
-                        workers=Workers(home, store, spawner, launcher, listen_host, secret=secret), spawner=spawner,
+                        store=store, fetcher=fetcher, workers=workers, spawner=spawner,
                         windows=windows, clock=clock,
                         engines=environment.engines() if engines is None else engines, verifier=verifier)
 

@@ -19,7 +19,7 @@ import trio
 from wire.ids import split_server_id
 from wire.layers import LayerRange
 from wire.plan_details import PipelineDetails
-from wire.state import PipelineInfo, ServerEntry, ServerExit, WeightsEntry
+from wire.state import Integrity, PipelineInfo, ServerEntry, ServerExit, WeightsEntry
 
 from agent.serving import registry
 from agent.auth import WORKER_CREDENTIAL_ENV, new_worker_credential
@@ -134,6 +134,23 @@ class Workers:
         self.servers: dict[str, Server] = {}
         # Encrypted models are served from memory (agent/weights/unseal.py); a simulation's store holds none.
         self.unsealer = Unsealer(store, self.logs) if isinstance(store, Store) else None
+
+    async def model_corrupt(self, digest: str, found: Integrity) -> None:
+        """A held model was found corrupt (agent/weights/verify.py): every server on it (served, or
+        as its draft) is failed at once, with the reason, and its process killed, not stopped with
+        a grace: an engine that maps the store's file (llama.cpp) answers from the corrupt bytes
+        from the moment they changed. The state shows them failed, so the router sends them
+        nothing more; a plan starts them again once the model is fetched again (a new file,
+        renamed into the store: nothing rewrites a mapped file in place)."""
+        reason = (f"model {digest} was found corrupt on this node ({found['file']}: {found['reason']}, at "
+                  f"{found['checked_at']}); its server was killed so that nothing more is answered from the "
+                  "corrupt copy, and starts again once the model is fetched again (fleet apply)")
+        for server in list(self.servers.values()):
+            if server.state in ("starting", "running") and (
+                    server.digest == digest or (server.speculative or {}).get("draft_digest") == digest):
+                server.state, server.reason = "failed", reason
+                if server.proc is not None and server.proc.poll() is None:
+                    server.proc.kill()  # its supervisor reaps it and keeps the reason (and adds the log's tail)
 
     def using(self, digest: str) -> str | None:
         for s in self.servers.values():
@@ -261,6 +278,8 @@ class Workers:
         return {PIPELINE_KEY_ENV: group_key(self.secret, server.pipeline["group"])}
 
     async def _supervise(self, server: Server, spec: LaunchSpec, keep_fds: Sequence[int] = ()) -> None:
+        if server.state != "starting":  # failed before its process began (its model found corrupt meanwhile)
+            return
         timeout = float(server.settings.get("startup_timeout_s") or DEFAULT_STARTUP_TIMEOUT_S)
         try:
             proc = self.launcher.launch(server.argv, server.log, {**self._stage_env(server),

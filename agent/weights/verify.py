@@ -13,7 +13,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Protocol
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Protocol
 
 import trio
 
@@ -144,13 +144,21 @@ class Fetching(Protocol):
     def jobs(self) -> Mapping[str, Job]: ...
 
 
+# Told of a model found corrupt (its digest, what was found), before verify() returns: the workers
+# (agent/serving/supervisor.py Workers.model_corrupt) fail every server on it at once, so that its
+# engine's mapping of the corrupt file answers no one again and the state shows them failed.
+OnCorrupt = Callable[[str, Integrity], Awaitable[None]]
+
+
 class Verifier:
     """Verifies held models one at a time (the disk is shared with fetches and engines) and keeps
-    the result in the store, where the state, the workers and the fetcher read it."""
+    the result in the store, where the state, the workers and the fetcher read it; a model found
+    corrupt is handed to `on_corrupt` before the verification returns."""
 
-    def __init__(self, store: Store, fetcher: Fetching) -> None:
+    def __init__(self, store: Store, fetcher: Fetching, on_corrupt: OnCorrupt | None = None) -> None:
         self.store = store
         self.fetcher = fetcher
+        self.on_corrupt = on_corrupt
         self._one_at_a_time = trio.Lock()
 
     async def verify(self, digest: str) -> Integrity:
@@ -166,8 +174,10 @@ class Verifier:
                 return self.store.integrity(digest)  # fetched again or deleted meanwhile: what we read is gone
             found = await trio.to_thread.run_sync(self.store.record, digest, problems)
         if found["state"] == "corrupt":
-            log.warning("model %s is corrupt: %s: %s; no server starts on it until it is fetched again",
-                        digest, found["file"], found["reason"])
+            log.warning("model %s is corrupt: %s: %s; its servers are failed, and none starts on it until it "
+                        "is fetched again", digest, found["file"], found["reason"])
+            if self.on_corrupt is not None:
+                await self.on_corrupt(digest, found)
         return found
 
     async def run(self, period_s: float) -> None:

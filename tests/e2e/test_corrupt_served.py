@@ -1,0 +1,176 @@
+"""Served after it was found corrupt (issue 31, item 1), with real processes: SmolLM2-135M's GGUF on
+llama.cpp behind `fleet serve`, a good copy on a second node. A byte of the store's file is flipped
+under the running server (in place, as bit rot or a stray write would: llama.cpp maps the file, so
+its answers change at once); POST /v1/weights/{digest}/verify finds it. From the moment that
+verification answers, no wrong answer reaches a client: the agent has killed the server and
+reports it failed with the reason, so the router has nowhere to send the request and answers an
+error. `fleet plan` then fetches the copy again and starts the server again on the new file (a
+new inode renamed into the store: the new worker maps no deleted file), after which the answers
+are right again and `fleet plan` finds nothing to do.
+
+Before: the router kept sending to the member until the apply, so the corrupt answer reached
+clients after the verification; after the repair the worker still mapped the deleted corrupt file."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.agents import SECRET, Agent, agent_env, free_port
+from tests.conftest import fleet_bin
+from tests.fleets import Fleet, import_model
+from tests.models import smollm2_gguf
+
+pytestmark = pytest.mark.e2e
+QUESTION = "What is the capital of France? Answer in one sentence."
+ADDRESSES = {"cp": "127.0.0.62", "a": "127.0.0.63"}
+
+
+class World:
+    def __init__(self, fleet: Fleet, listen: str, digest: str, port: int) -> None:
+        self.fleet, self.listen, self.digest, self.port = fleet, listen, digest, port
+
+    def ask(self) -> str:
+        client = openai.OpenAI(base_url=f"http://{self.listen}/v1", api_key="unused", max_retries=0, timeout=120)
+        done = client.chat.completions.create(model="local", messages=[{"role": "user", "content": QUESTION}],
+                                              temperature=0, max_tokens=24)
+        return done.choices[0].message.content or ""
+
+    def ask_or_error(self) -> str | None:
+        """The answer, or None where the router answered an error (nothing to send the request to)."""
+        try:
+            return self.ask()
+        except openai.APIStatusError as exc:
+            assert exc.status_code in (502, 503), exc
+            return None
+
+    def server(self) -> dict[str, Any]:
+        [server] = self.fleet.agents["cp"].get("/v1/state").json()["servers"]
+        return server  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    base = tmp_path_factory.mktemp("corrupt-served")
+    port = free_port(*ADDRESSES.values())
+    agents = {n: Agent(n, addr, port, base / n) for n, addr in ADDRESSES.items()}
+    proc = None
+    try:
+        for a in agents.values():
+            a.start()
+        digest = import_model(agents["cp"], smollm2_gguf())
+        f = Fleet(base, agents, {"q": digest})
+        listen = f"{ADDRESSES['cp']}:{free_port(ADDRESSES['cp'])}"
+        served_port = free_port(ADDRESSES["cp"])
+        nodes = "\n".join(f"  {n}: {{address: {a.address}, agent_port: {a.port}}}" for n, a in agents.items())
+        f.file.write_text(f"""version: 1
+control_plane: {{node: cp, listen: "{listen}"}}
+nodes:
+{nodes}
+models:
+  q: {{format: gguf, digest: "{digest}", source: cp}}
+replicas:
+  q: [a]
+clusters:
+  local: {{model: q, members: [cp], port: {served_port}, settings: {{context_length: 256, threads: 1}}}}
+""")
+        applied = f.run("apply", "--auto-approve", timeout=600)
+        assert applied.returncode == 0, applied.stdout + applied.stderr
+        log = open(base / "serve.log", "w")
+        proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(f.file), "--interval", "1"],
+                                env=agent_env(FLEET_STATE_DIR=str(f.state_dir)), stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while True:  # up, and one heartbeat seen: the router knows the server runs
+            try:
+                if httpx.get(f"http://{listen}/healthz", timeout=1).json().get("beats", 0) >= 1:
+                    break
+            except (httpx.TransportError, ValueError):
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, (base / "serve.log").read_text()
+            time.sleep(0.1)
+        yield World(f, listen, digest, served_port)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+        for a in agents.values():
+            a.stop()
+
+
+def flip_a_byte(path: Path) -> None:
+    """The high byte of output_norm.weight's first float flipped in place (same inode): 0x3F.. to
+    0x7F.., an exponent of all ones, so the final norm holds an infinity or a NaN."""
+    import gguf
+
+    [norm] = [t for t in gguf.GGUFReader(str(path)).tensors if t.name == "output_norm.weight"]
+    offset = int(norm.data_offset) + 3
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x40]))
+        fh.flush()
+
+
+def mapped_model_files(pid: int, model_dir: str) -> list[str]:
+    with open(f"/proc/{pid}/maps") as fh:
+        return sorted({line.split(None, 5)[5].strip() for line in fh
+                       if len(line.split(None, 5)) == 6 and model_dir in line})
+
+
+def test_no_wrong_answer_reaches_a_client_once_the_corruption_is_found_nor_after_the_repair(world: World) -> None:
+    right = world.ask()
+    assert "Paris" in right, right
+    entry = next(w for w in world.fleet.agents["cp"].get("/v1/state").json()["weights"]
+                 if w["digest"] == world.digest)
+    stored = Path(entry["path"])  # a GGUF's entry names its one file in the model's directory
+    model_dir = str(stored.parent)
+    before = world.server()
+    assert before["state"] == "running" and mapped_model_files(before["pid"], model_dir), \
+        "llama.cpp maps the store's file"
+
+    flip_a_byte(stored)
+    # Found by nobody yet: the mapped bytes changed under the running engine (what made this test).
+    assert world.ask() != right
+
+    cp = world.fleet.agents["cp"]
+    found = httpx.post(f"{cp.url}/v1/weights/{world.digest}/verify", headers={"Authorization": f"Bearer {SECRET}"},
+                       timeout=300).json()
+    assert found["integrity"]["state"] == "corrupt", found
+    # From here on: an error or the right answer, never the corrupt copy's, over several heartbeats.
+    answers = [world.ask_or_error() for _ in range(8)]
+    assert all(a is None or a == right for a in answers), answers
+    failed = world.server()
+    assert failed["state"] == "failed" and "found corrupt" in failed["reason"], failed
+    time.sleep(2.5)  # two heartbeats: the router has dropped the member
+    assert world.ask_or_error() is None
+
+    plan = world.fleet.run("plan", "--detailed-exitcode")
+    assert plan.returncode == 2, plan.stdout + plan.stderr
+    assert "replica.q@cp" in plan.stdout and "server.local@cp" in plan.stdout, plan.stdout
+    applied = world.fleet.run("apply", "--auto-approve", timeout=600)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+
+    repaired = world.server()
+    assert repaired["state"] == "running" and repaired["pid"] != before["pid"], repaired
+    mapped = mapped_model_files(repaired["pid"], model_dir)
+    assert mapped and not any(m.endswith("(deleted)") for m in mapped), mapped
+    deadline = time.monotonic() + 60
+    after: list[str | None] = []
+    while not after or after[-1] is None:  # until the heartbeat has seen the new server
+        after.append(world.ask_or_error())
+        assert time.monotonic() < deadline, after
+        time.sleep(0.2) if after[-1] is None else None
+    after += [world.ask() for _ in range(3)]
+    assert all(a is None or a == right for a in after), after
+
+    again = world.fleet.run("plan", "--detailed-exitcode")
+    assert again.returncode == 0 and "No changes" in again.stdout, again.stdout + again.stderr
