@@ -8,12 +8,17 @@ error. `fleet plan` then fetches the copy again and starts the server again on t
 new inode renamed into the store: the new worker maps no deleted file), after which the answers
 are right again and `fleet plan` finds nothing to do.
 
+The same on PyTorch with SmolLM2's float32 safetensors twin, whose worker holds its own copy of
+the weights once loaded (its answer may not change under the flip; the rest holds the same).
+
 Before: the router kept sending to the member until the apply, so the corrupt answer reached
 clients after the verification; after the repair the worker still mapped the deleted corrupt file."""
 
 from __future__ import annotations
 
+import json
 import signal
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -34,8 +39,8 @@ ADDRESSES = {"cp": "127.0.0.62", "a": "127.0.0.63"}
 
 
 class World:
-    def __init__(self, fleet: Fleet, listen: str, digest: str, port: int) -> None:
-        self.fleet, self.listen, self.digest, self.port = fleet, listen, digest, port
+    def __init__(self, fleet: Fleet, listen: str, digest: str, port: int, fmt: str) -> None:
+        self.fleet, self.listen, self.digest, self.port, self.format = fleet, listen, digest, port, fmt
 
     def ask(self) -> str:
         client = openai.OpenAI(base_url=f"http://{self.listen}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -56,8 +61,9 @@ class World:
         return server  # type: ignore[no-any-return]
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+@pytest.fixture(scope="module", params=["gguf", "safetensors"], ids=["llama.cpp", "pytorch"])
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    fmt = request.param
     base = tmp_path_factory.mktemp("corrupt-served")
     port = free_port(*ADDRESSES.values())
     agents = {n: Agent(n, addr, port, base / n) for n, addr in ADDRESSES.items()}
@@ -65,7 +71,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     try:
         for a in agents.values():
             a.start()
-        digest = import_model(agents["cp"], smollm2_gguf())
+        model = smollm2_gguf() if fmt == "gguf" else request.getfixturevalue("smollm2_f32")
+        digest = import_model(agents["cp"], model)
         f = Fleet(base, agents, {"q": digest})
         listen = f"{ADDRESSES['cp']}:{free_port(ADDRESSES['cp'])}"
         served_port = free_port(ADDRESSES["cp"])
@@ -75,7 +82,7 @@ control_plane: {{node: cp, listen: "{listen}"}}
 nodes:
 {nodes}
 models:
-  q: {{format: gguf, digest: "{digest}", source: cp}}
+  q: {{format: {fmt}, digest: "{digest}", source: cp}}
 replicas:
   q: [a]
 clusters:
@@ -96,7 +103,7 @@ clusters:
                 pass
             assert time.monotonic() < deadline and proc.poll() is None, (base / "serve.log").read_text()
             time.sleep(0.1)
-        yield World(f, listen, digest, served_port)
+        yield World(f, listen, digest, served_port, fmt)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -106,12 +113,20 @@ clusters:
 
 
 def flip_a_byte(path: Path) -> None:
-    """The high byte of output_norm.weight's first float flipped in place (same inode): 0x3F.. to
-    0x7F.., an exponent of all ones, so the final norm holds an infinity or a NaN."""
-    import gguf
+    """The high byte of the final norm's first float flipped in place (same inode): 0x3F.. to
+    0x7F.., an exponent of all ones, so the norm holds an infinity or a NaN. GGUF: output_norm.weight
+    (F32 in SmolLM2's Q4_1 file); safetensors: model.norm.weight (float32)."""
+    if path.suffix == ".gguf":
+        import gguf
 
-    [norm] = [t for t in gguf.GGUFReader(str(path)).tensors if t.name == "output_norm.weight"]
-    offset = int(norm.data_offset) + 3
+        [norm] = [t for t in gguf.GGUFReader(str(path)).tensors if t.name == "output_norm.weight"]
+        offset = int(norm.data_offset) + 3
+    else:
+        with open(path, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        assert header["model.norm.weight"]["dtype"] == "F32"
+        offset = 8 + size + header["model.norm.weight"]["data_offsets"][0] + 3
     with open(path, "r+b") as fh:
         fh.seek(offset)
         byte = fh.read(1)
@@ -131,15 +146,22 @@ def test_no_wrong_answer_reaches_a_client_once_the_corruption_is_found_nor_after
     assert "Paris" in right, right
     entry = next(w for w in world.fleet.agents["cp"].get("/v1/state").json()["weights"]
                  if w["digest"] == world.digest)
-    stored = Path(entry["path"])  # a GGUF's entry names its one file in the model's directory
-    model_dir = str(stored.parent)
+    if world.format == "gguf":  # a GGUF's entry names its one file in the model's directory
+        stored = Path(entry["path"])
+        model_dir = str(stored.parent)
+    else:
+        model_dir = str(entry["path"])
+        stored = Path(model_dir) / "model.safetensors"
     before = world.server()
-    assert before["state"] == "running" and mapped_model_files(before["pid"], model_dir), \
-        "llama.cpp maps the store's file"
+    assert before["state"] == "running"
+    if world.format == "gguf":
+        assert mapped_model_files(before["pid"], model_dir), "llama.cpp maps the store's file"
 
     flip_a_byte(stored)
-    # Found by nobody yet: the mapped bytes changed under the running engine (what made this test).
-    assert world.ask() != right
+    if world.format == "gguf":
+        # Found by nobody yet: the mapped bytes changed under the running engine (what made this
+        # test). PyTorch holds its own copy of the weights once loaded: its answer may stay right.
+        assert world.ask() != right
 
     cp = world.fleet.agents["cp"]
     found = httpx.post(f"{cp.url}/v1/weights/{world.digest}/verify", headers={"Authorization": f"Bearer {SECRET}"},
@@ -162,7 +184,9 @@ def test_no_wrong_answer_reaches_a_client_once_the_corruption_is_found_nor_after
     repaired = world.server()
     assert repaired["state"] == "running" and repaired["pid"] != before["pid"], repaired
     mapped = mapped_model_files(repaired["pid"], model_dir)
-    assert mapped and not any(m.endswith("(deleted)") for m in mapped), mapped
+    assert not any(m.endswith("(deleted)") for m in mapped), mapped
+    if world.format == "gguf":
+        assert mapped, "llama.cpp maps the new file"
     deadline = time.monotonic() + 60
     after: list[str | None] = []
     while not after or after[-1] is None:  # until the heartbeat has seen the new server
