@@ -29,7 +29,7 @@ def test_there_is_a_broken_file_per_class_of_mistake() -> None:
             "address_conflict", "port_conflict", "slice_overlap", "slice_gap", "duplicate_replica",
             "duplicate_member", "config_empty", "config_not_text", "pipeline_layers_gap",
             "pipeline_layers_overlap", "pipeline_out_of_order", "pipeline_member_not_slice",
-            "pipeline_gguf_unsupported", "pipeline_port_conflict"} <= codes
+            "pipeline_gguf_unsupported", "pipeline_port_conflict", "yaml_integer_form", "invalid_address"} <= codes
 
 
 def test_example_fleet_is_valid_as_a_user_runs_it() -> None:
