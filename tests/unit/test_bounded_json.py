@@ -47,3 +47,12 @@ def test_each_bound_is_refused_naming_its_field(raw: bytes, problem: str, field:
 def test_what_is_not_json_is_said_to_be_so(raw: bytes) -> None:
     with pytest.raises(NotJson):
         loads(raw)
+
+
+def test_a_fleet_live_header_nested_past_the_recursion_limit_is_no_live_values() -> None:
+    """A 304's fleet-live header (wire/live.py) is under 16 KiB, yet that is room for 8,000 levels:
+    RecursionError escaped the heartbeat's decode."""
+    from wire import live
+
+    assert live.decode(nested(8000)) is None
+    assert live.decode(b'["t", 1, 2, [3], [4.5]]') == live.Live("t", 1, 2, (3,), (4.5,))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from reconciler.serve.http1 import SLICE, Limits, Parser, Refused, response_head
+from reconciler.serve.http1 import SLICE, Limits, Parser, Refused, Request, response_head
 
 TWO = (b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
        b"GET /b?q=1 HTTP/1.1\r\nHost: x:80\r\nConnection: close\r\n\r\n")
@@ -72,3 +72,39 @@ def test_response_framing() -> None:
     assert not chunked and not keep_alive and head.endswith(b"connection: close\r\n\r\n")
     with pytest.raises(ValueError):
         response_head(200, [(b"x", b"a\r\nInjected: yes")], "1.1", keep_alive=True, no_body=False)
+
+
+def refuse_unkeyed(r: Request) -> None:
+    if (b"authorization", b"Bearer k") not in r.headers:
+        raise Refused(401, "no key", "invalid_api_key")
+
+
+def test_admit_refuses_from_the_head_before_any_body_is_parsed() -> None:
+    parser = Parser(Limits(), refuse_unkeyed)
+    with pytest.raises(Refused) as caught:
+        parser.feed(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n" + b"x" * 1000)
+    assert caught.value.status == 401 and parser.current is not None and parser.current.body == []
+
+
+def test_a_refusal_behind_pipelined_requests_waits_until_they_are_taken() -> None:
+    keyed = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n\r\n"
+    parser = Parser(Limits(), refuse_unkeyed)
+    parser.feed(keyed + keyed + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n" + keyed)
+    assert len(parser.ready) == 2 and parser.refused is not None and parser.refused.status == 401
+    with pytest.raises(Refused):  # nothing after the refusal is parsed
+        parser.feed(keyed)
+    assert len(parser.ready) == 2
+
+
+@pytest.mark.parametrize("limit, length, refused", [(4 << 20, 4 << 20, False), (4 << 20, (4 << 20) + 1, True)])
+def test_the_body_limit_is_checked_from_content_length(limit: int, length: int, refused: bool) -> None:
+    parser = Parser(Limits(max_body=limit))
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % length
+    if refused:
+        with pytest.raises(Refused) as caught:
+            parser.feed(head)
+        assert caught.value.status == 413 and caught.value.code == "body_too_large"
+    else:
+        parser.feed(head)
+        assert parser.current is not None and parser.current.head_done
+    assert Limits().max_body == 4 << 20
