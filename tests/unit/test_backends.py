@@ -22,20 +22,23 @@ def paths(digest: str, what: str) -> str:
 
 CASES: list[tuple[str, str, dict[str, Any], list[str], dict[str, Any] | None]] = [
     ("llama-plain", "llama_cpp", {},
-     [PY, "-m", "agent.backends.llama_cpp.worker", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
+     [PY, "-m", "agent.backends.llama_cpp.batched", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
     ("llama-all-settings", "llama_cpp", {"context_length": 4096, "threads": 8, "batch_size": 256, "tensor_parallel": 2},
-     [PY, "-m", "agent.backends.llama_cpp.worker", "--model", MODEL, "--host", HOST, "--port", "9000", "--n_ctx", "4096",
+     [PY, "-m", "agent.backends.llama_cpp.batched", "--model", MODEL, "--host", HOST, "--port", "9000", "--n_ctx", "4096",
       "--n_threads", "8", "--n_batch", "256", "--n_gpu_layers", "-1"], None),
     ("llama-tensor-parallel-zero-stays-on-cpu", "llama_cpp", {"tensor_parallel": 0},
-     [PY, "-m", "agent.backends.llama_cpp.worker", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
+     [PY, "-m", "agent.backends.llama_cpp.batched", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
     ("llama-prompt-lookup", "llama_cpp", {"speculative": {"mode": "prompt_lookup", "tokens": 3}},
-     [PY, "-m", "agent.backends.llama_cpp.worker", "--model", MODEL, "--host", HOST, "--port", "9000", "--draft_model",
+     [PY, "-m", "agent.backends.llama_cpp.batched", "--model", MODEL, "--host", HOST, "--port", "9000", "--draft_model",
       "prompt-lookup-decoding", "--draft_model_num_pred_tokens", "3"],
      {"mode": "prompt_lookup", "tokens": 3, "applied": True, "how": "llama.cpp prompt-lookup decoding"}),
     ("llama-draft-recorded-not-used", "llama_cpp", {"speculative": {"mode": "draft", "draft_digest": DRAFT}},
-     [PY, "-m", "agent.backends.llama_cpp.worker", "--model", MODEL, "--host", HOST, "--port", "9000"],
+     [PY, "-m", "agent.backends.llama_cpp.batched", "--model", MODEL, "--host", HOST, "--port", "9000"],
      {"mode": "draft", "draft_digest": DRAFT, "applied": False,
-      "how": "llama-cpp-python's server drafts only by prompt lookup; a separate draft model is recorded but not used"}),
+      "how": "fleet's llama.cpp workers draft only by prompt lookup; a separate draft model is recorded but not used"}),
+    ("llama-parallel", "llama_cpp", {"parallel": 4},
+     [PY, "-m", "agent.backends.llama_cpp.batched", "--model", MODEL, "--host", HOST, "--port", "9000", "--parallel",
+      "4"], None),
     ("torch-plain", "torch", {},
      [PY, "-m", "agent.backends.torch.worker", "--model", MODEL, "--host", HOST, "--port", "9000"], None),
     ("torch-context-threads-ignores-batch", "torch", {"context_length": 512, "threads": 2, "batch_size": 64},
@@ -58,6 +61,16 @@ def test_settings_become_the_engines_command_line(backend: str, settings: dict[s
     command = BACKENDS[backend].command(MODEL, HOST, PORT, settings, paths)
     assert list(command.argv) == argv
     assert command.speculative == speculative
+
+
+def test_the_llama_cpp_server_app_stays_selectable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEET_LLAMA_WORKER", "server")
+    argv = BACKENDS["llama_cpp"].command(MODEL, HOST, PORT, {"parallel": 4, "threads": 2}, paths).argv
+    assert list(argv) == [PY, "-m", "agent.backends.llama_cpp.worker", "--model", MODEL, "--host", HOST, "--port",
+                          "9000", "--n_threads", "2"]  # the server app takes no --parallel
+    monkeypatch.setenv("FLEET_LLAMA_WORKER", "fast")
+    with pytest.raises(BadSettings, match="FLEET_LLAMA_WORKER='fast' names no llama.cpp worker: batched or server"):
+        BACKENDS["llama_cpp"].command(MODEL, HOST, PORT, {}, paths)
 
 
 def test_a_draft_without_its_digest_is_bad_settings() -> None:

@@ -1,16 +1,30 @@
-"""The llama.cpp launch spec: GGUF models served by llama-cpp-python's OpenAI-compatible server, with
-fleet's OpenAI edges around it (agent/backends/llama_cpp/worker.py; same options as the server's)."""
+"""The llama.cpp launch spec: GGUF models served by fleet's batched llama.cpp worker
+(agent/backends/llama_cpp/batched.py), or, with FLEET_LLAMA_WORKER=server in the agent's
+environment, by llama-cpp-python's OpenAI-compatible server with fleet's OpenAI edges around it
+(agent/backends/llama_cpp/worker.py). Both take the same options (the server's names)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
-from agent.backends.launch import Command, LaunchSpec, ModelPath
+from agent.backends.launch import BadSettings, Command, LaunchSpec, ModelPath
+
+WORKER_ENV = "FLEET_LLAMA_WORKER"  # batched (the default) or server: which llama.cpp worker the agent starts
+WORKERS = {"batched": "agent.backends.llama_cpp.batched", "server": "agent.backends.llama_cpp.worker"}
+
+
+def worker_module() -> str:
+    chosen = os.environ.get(WORKER_ENV) or "batched"
+    if chosen not in WORKERS:
+        raise BadSettings(f"{WORKER_ENV}={chosen!r} names no llama.cpp worker: {' or '.join(WORKERS)}")
+    return WORKERS[chosen]
 
 
 def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPath) -> Command:
-    argv = [sys.executable, "-m", "agent.backends.llama_cpp.worker", "--model", path, "--host", host, "--port", str(port)]
+    module = worker_module()
+    argv = [sys.executable, "-m", module, "--model", path, "--host", host, "--port", str(port)]
     if s.get("served_name"):  # what /v1/models and every answer's `model` say: the cluster, not a path
         argv += ["--model_alias", str(s["served_name"])]
     if s.get("context_length"):
@@ -19,6 +33,8 @@ def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPat
         argv += ["--n_threads", str(s["threads"])]
     if s.get("batch_size"):
         argv += ["--n_batch", str(s["batch_size"])]
+    if s.get("parallel") and module == WORKERS["batched"]:  # sequences decoded together (default: what fits)
+        argv += ["--parallel", str(s["parallel"])]
     if isinstance(s.get("tensor_parallel"), int) and s["tensor_parallel"] > 0:
         argv += ["--n_gpu_layers", "-1"]
     spec = s.get("speculative")
@@ -31,7 +47,7 @@ def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPat
             speculative = {**spec, "applied": True, "how": "llama.cpp prompt-lookup decoding"}
         else:
             speculative = {**spec, "applied": False,
-                           "how": "llama-cpp-python's server drafts only by prompt lookup; a separate "
+                           "how": "fleet's llama.cpp workers draft only by prompt lookup; a separate "
                                   "draft model is recorded but not used"}
     return Command(tuple(argv), speculative)
 

@@ -1,0 +1,464 @@
+"""The batched llama.cpp engine: one GGUF model, one context of `parallel` sequences, and one thread
+running every request of the worker through one decode loop on llama-cpp-python's low-level API.
+
+Each step is one `llama_decode`: the running rows' next tokens and, after them, as many prompt
+tokens of the newcomers as the step's prefill budget takes (a long prompt goes in chunks over
+several steps, so the rows already running keep their pace). A request gets a sequence of its
+own (its KV cells) when it is admitted and gives it back, cells freed, when it ends, is
+cancelled or its client leaves. A row whose reader has fallen behind is left out of the steps
+(its cells kept) until the reader catches up, as the PyTorch engine does
+(agent/backends/torch/engine.py; the two share agent/backends/outbox.py). Greedy rows take the
+argmax of their logits (what a lone sequence would); sampled rows go through llama.cpp's own
+sampler chain (top-p, temperature, a seeded draw), one chain per request. With prompt lookup on,
+a greedy row's step carries the tokens that followed the last match of its latest tokens in its
+own text as a draft; the ones the model agrees with are kept, the rest's cells removed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import secrets
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import llama_cpp as L
+import numpy as np
+
+from agent.backends.outbox import End, Outbox
+
+QUIET_S, GATHER_S = 0.005, 0.05  # as the PyTorch engine: an idle engine waits briefly for a burst's others
+PREFILL_CHUNK = 256  # prompt tokens one step takes at most, beside the running rows' next tokens
+MAX_PARALLEL = 16  # sequences by default at most (fewer when their KV cache would not fit)
+MIN_PREFIX = 8  # prompt tokens in common with the cached prompt worth copying rather than computing
+KV_SHARE = 4  # the default `parallel` keeps every sequence's whole KV cache under 1/KV_SHARE of free memory
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    max_new: int
+    temperature: float
+    top_p: float
+    seed: int | None
+
+
+@dataclass(eq=False)
+class Job:
+    """A request inside the engine."""
+
+    prompt: list[int]
+    params: Params
+    outbox: Outbox
+    made: int = 0
+    cancelled: bool = False  # set by the reader's side: the client left, or a stop string matched
+    ended: bool = False
+    seq: int = -1  # its sequence in the context, once admitted
+    fed: int = 0  # prompt tokens in its KV cells
+    pos: int = 0  # tokens in its KV cells
+    next_token: int = -1
+    aside: bool = False
+    sampler: Any = None
+    answer: list[int] = field(default_factory=list)  # what it made so far (prompt lookup looks there too)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.outbox.kick()  # the engine may be idle, holding this row aside for its reader
+
+
+def _fits_parallel(model: Any, context_length: int) -> int:
+    """Sequences whose whole KV cache (f16 keys and values, every layer) fits in a quarter of the
+    memory free now, between 1 and MAX_PARALLEL."""
+    import psutil
+
+    heads, heads_kv = max(L.llama_model_n_head(model), 1), L.llama_model_n_head_kv(model)
+    per_token = L.llama_model_n_layer(model) * 2 * heads_kv * (L.llama_model_n_embd(model) // heads) * 2
+    budget = psutil.virtual_memory().available // KV_SHARE
+    return int(max(1, min(MAX_PARALLEL, budget // max(per_token * context_length, 1))))
+
+
+class Model:
+    """The GGUF model, its vocabulary and one context of `parallel` sequences of `context_length`
+    tokens each; `speculative` draft tokens per greedy row and step (0: none)."""
+
+    def __init__(self, path: str, context_length: int | None = None, parallel: int | None = None,
+                 threads: int | None = None, chunk: int = PREFILL_CHUNK, gpu_layers: int | None = None,
+                 main_gpu: int | None = None, tensor_split: list[float] | None = None, lookup: int = 0,
+                 flash_attn: bool = False, prefix_cache: bool = False, verbose: bool = False) -> None:
+        if not verbose:
+            L.llama_log_set(_quiet, ctypes.c_void_p())
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        if gpu_layers is not None:
+            mp.n_gpu_layers = gpu_layers
+        if main_gpu is not None:
+            mp.main_gpu = main_gpu
+        if tensor_split:
+            self._split = (ctypes.c_float * L.llama_max_devices())(*tensor_split)  # kept alive with the model
+            mp.tensor_split = self._split
+        model = L.llama_model_load_from_file(path.encode(), mp)
+        if not model:
+            raise SystemExit(f"llama.cpp could not load the model {os.path.basename(path)} (not a GGUF file it reads)")
+        self.model = model
+        self.vocab = L.llama_model_get_vocab(model)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
+        train = int(L.llama_model_n_ctx_train(model)) or 2048
+        wanted = min(context_length or 2048, train)  # llama_cpp.server's default n_ctx, as the old worker had
+        self.prefix_cache = prefix_cache
+        most = int(L.llama_max_parallel_sequences()) - (1 if prefix_cache else 0)
+        self.parallel = max(1, min(parallel or _fits_parallel(model, wanted), most))
+        self.lookup = max(0, lookup)
+        self.chunk = max(1, chunk)
+        cp = L.llama_context_default_params()
+        # With the prefix cache, one more sequence holds the latest prompt for the next to copy its
+        # opening from (the chat template's system prompt, the words users' prompts begin with): a
+        # copy in a unified cache tags the cells with one more sequence, it does not move them. A
+        # context's worth of cells for each sequence, that one's included: a request always finds
+        # its room. Off by default: in a unified cache a row's attention runs over cells that other
+        # sequences hold too (masked), and the sums' order changes with them: SmolLM2's greedy
+        # answers then differ from the single-sequence path's after some tokens (2 of 5 prompts at
+        # 48 tokens), though the cache halved the prompt tokens computed (bench/engines).
+        seqs = self.parallel + (1 if prefix_cache else 0)
+        cp.n_ctx = wanted * seqs
+        cp.n_seq_max = seqs
+        cp.n_batch = cp.n_ubatch = self.chunk + self.parallel * (1 + self.lookup)
+        cp.n_threads = cp.n_threads_batch = threads or max((os.cpu_count() or 2) // 2, 1)  # as llama_cpp.server
+        # Off unless asked, as llama-cpp-python's Llama has it: the greedy answers are then the ones
+        # its single-sequence path gives (flash attention's sums differ in the last bits, enough to
+        # change an argmax now and then).
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.kv_unified = prefix_cache  # else each sequence its own `wanted` cells
+        ctx = L.llama_init_from_model(model, cp)
+        if not ctx:
+            raise SystemExit(f"llama.cpp could not make a context of {self.parallel} x {wanted} tokens")
+        self.ctx = ctx
+        self.memory = L.llama_get_memory(ctx)
+        self.context_length = min(wanted, int(L.llama_n_ctx_seq(ctx)))
+        self.batch = L.llama_batch_init(cp.n_batch, 0, 1)
+        self.n_batch = int(cp.n_batch)
+        self.eos = int(L.llama_vocab_eos(self.vocab))
+        self.bos = int(L.llama_vocab_bos(self.vocab))
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+        self._pieces: dict[int, bytes] = {}
+
+    # The vocabulary (any thread: these read the vocabulary only).
+
+    def tokenize(self, text: str, add_special: bool) -> list[int]:
+        """As llama-cpp-python's Llama.tokenize with special=True (control tokens in the text parsed)."""
+        data = text.encode("utf-8")
+        room = len(data) + 8
+        for _ in range(2):
+            out = (L.llama_token * room)()
+            n = L.llama_tokenize(self.vocab, data, len(data), out, room, add_special, True)
+            if n >= 0:
+                return list(out[:n])
+            room = -n
+        raise RuntimeError("llama_tokenize failed")
+
+    def piece(self, token: int) -> bytes:
+        """The token's bytes as text (control tokens: none)."""
+        known = self._pieces.get(token)
+        if known is None:
+            buf = ctypes.create_string_buffer(64)
+            n = L.llama_token_to_piece(self.vocab, token, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = L.llama_token_to_piece(self.vocab, token, buf, -n, 0, False)
+            known = self._pieces[token] = buf.raw[:max(n, 0)]
+        return known
+
+    def decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        """What agent/backends/torch/text.py asks of a tokenizer."""
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        raw = L.llama_vocab_get_text(self.vocab, token)
+        return raw.decode("utf-8", errors="replace") if raw else ""
+
+    def is_end(self, token: int) -> bool:
+        return bool(L.llama_vocab_is_eog(self.vocab, token))
+
+    def meta(self, key: str) -> str | None:
+        size = 1 << 16
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = L.llama_model_meta_val_str(self.model, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.value.decode("utf-8", errors="replace")
+            size = n + 1
+        return None
+
+
+@L.llama_log_callback  # type: ignore[untyped-decorator]
+def _quiet(level: int, text: bytes, user_data: object) -> None:
+    pass
+
+
+class Engine:
+    """The decode loop over a Model, on its own thread. `submit`, `coming`, `kick` and `Job.cancel`
+    are the only calls from other threads."""
+
+    def __init__(self, model: Model) -> None:
+        self.m = model
+        self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._kick = threading.Event()
+        self._arrived = 0.0
+        self._coming = 0
+        self._waiting: deque[Job] = deque()
+        self._running: list[Job] = []  # admitted, in order: prefilling or decoding
+        self._free = list(range(model.parallel - 1, -1, -1))
+        self.steps = 0
+        self.widest = 0
+        self.set_aside = 0
+        self.freed = 0  # sequences given back (their cells removed)
+        self.prefills = 0  # steps that carried prompt tokens
+        self.prefill_tokens = 0
+        self.prefill_cpu_s = 0.0  # the process's CPU seconds in steps, shared out by their tokens
+        self.decode_cpu_s = 0.0
+        self.drafted = 0
+        self.accepted = 0
+        self.prefix_hits = 0
+        self.prefix_hit_tokens = 0
+        self._cache_seq = model.parallel if model.prefix_cache else -1
+        self._cached: list[int] = []  # the prompt the cache sequence holds
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._kick.set()
+
+    def coming(self, n: int) -> None:
+        self._coming += n
+
+    def submit(self, job: Job) -> None:
+        self._arrived = time.perf_counter()
+        self._queue.put(job)
+        self._kick.set()
+
+    def stats(self) -> dict[str, float]:
+        return {"steps": self.steps, "widest_step": self.widest, "set_aside": self.set_aside,
+                "rows": len(self._running), "waiting": len(self._waiting) + self._queue.qsize(),
+                "parallel": self.m.parallel, "free_sequences": len(self._free), "sequences_freed": self.freed,
+                "prefills": self.prefills, "prefill_tokens": self.prefill_tokens, "prefix_hits": self.prefix_hits, "prefix_hit_tokens": self.prefix_hit_tokens,
+                "prefill_cpu_s": round(self.prefill_cpu_s, 3), "decode_cpu_s": round(self.decode_cpu_s, 3),
+                "drafted": self.drafted, "accepted": self.accepted}
+
+    # The engine thread.
+
+    def _loop(self) -> None:
+        while True:
+            self._kick.clear()  # before looking, so that a kick after the look is not lost
+            try:
+                worked = self._once()
+            except Exception as exc:  # a bug or the device failing: the requests in flight fail, the loop goes on
+                traceback.print_exc(file=sys.stderr)
+                self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
+                worked = True
+            if not worked:
+                self._kick.wait()
+
+    def _take(self) -> None:
+        while True:
+            try:
+                self._waiting.append(self._queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _once(self) -> bool:
+        self._take()
+        if not self._running and self._waiting:
+            self._gather()
+        for job in [j for j in self._waiting if j.cancelled]:
+            self._waiting.remove(job)
+            self._end(job, "stop")
+        for job in [j for j in self._running if j.cancelled]:
+            self._end(job, "stop")
+        while self._waiting and self._free:
+            job = self._waiting.popleft()
+            job.seq = self._free.pop()
+            self._reuse(job)
+            job.sampler = self._sampler(job.params)
+            self._running.append(job)
+        return self._step()
+
+    def _gather(self) -> None:
+        end = time.perf_counter() + GATHER_S
+        while (now := time.perf_counter()) < end and (self._coming > 0 or now - self._arrived < QUIET_S):
+            time.sleep(QUIET_S / 2)
+        self._take()
+
+    def _reuse(self, job: Job) -> None:
+        """Copy the opening the job's prompt shares with the cached one (the last token is always
+        computed: its logits give the first token)."""
+        if self._cache_seq < 0:
+            return
+        n, most = 0, min(len(self._cached), len(job.prompt) - 1)
+        while n < most and self._cached[n] == job.prompt[n]:
+            n += 1
+        if n < MIN_PREFIX:
+            return
+        L.llama_memory_seq_cp(self.m.memory, self._cache_seq, job.seq, 0, n)
+        job.fed = job.pos = n
+        self.prefix_hits += 1
+        self.prefix_hit_tokens += n
+
+    def _keep(self, job: Job) -> None:
+        """The cache sequence holds this prompt now, as llama-cpp-python's Llama keeps its last one."""
+        if self._cache_seq < 0 or self._cached == job.prompt:
+            return
+        L.llama_memory_seq_rm(self.m.memory, self._cache_seq, -1, -1)
+        L.llama_memory_seq_cp(self.m.memory, job.seq, self._cache_seq, 0, len(job.prompt))
+        self._cached = list(job.prompt)
+
+    def _sampler(self, p: Params) -> Any:
+        if p.temperature <= 0:
+            return None  # greedy: the argmax, as one sequence alone would take it
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        if p.top_p < 1.0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_top_p(p.top_p, 1))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(p.temperature))
+        seed = (p.seed if p.seed is not None else secrets.randbits(32)) & 0xFFFFFFFF
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed if seed != 0xFFFFFFFF else 0))
+        return chain
+
+    def _draft(self, job: Job, room: int) -> list[int]:
+        """Prompt lookup: what followed the latest occurrence of the row's last two tokens (or last
+        one) in its own prompt and answer so far, up to `room` tokens."""
+        if not self.m.lookup or job.sampler is not None or room <= 0:
+            return []
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        text = np.array(job.prompt + job.answer, dtype=np.intc)
+        found = LlamaPromptLookupDecoding.find_candidate_pred_tokens(text, 2, min(self.m.lookup, room))
+        return [int(t) for t in found]
+
+    def _step(self) -> bool:
+        rows: list[tuple[Job, list[int]]] = []  # decoding rows in this step, with their drafts
+        for job in self._running:
+            if job.fed < len(job.prompt):
+                continue
+            waiting = job.outbox.waiting()
+            if not job.aside and waiting >= job.outbox.capacity:
+                job.aside = True
+                self.set_aside += 1
+            elif job.aside and waiting <= job.outbox.capacity // 2:
+                job.aside = False
+            if not job.aside:
+                room = min(job.params.max_new - job.made - 1, self.m.context_length - job.pos - 1)
+                rows.append((job, self._draft(job, room)))
+        items: list[tuple[int, int, int, bool]] = []
+        for job, draft in rows:
+            items += [(t, job.pos + k, job.seq, True) for k, t in enumerate([job.next_token, *draft])]
+        decoded = len(items)
+        filling: list[tuple[Job, int, int]] = []  # prefilling jobs in this step: first item's index, tokens
+        budget = min(self.m.chunk, self.m.n_batch - len(items))
+        for job in self._running:
+            if job.fed >= len(job.prompt) or budget <= 0:
+                continue
+            take = min(budget, len(job.prompt) - job.fed)
+            filling.append((job, len(items), take))
+            last = len(job.prompt) - 1
+            items += [(job.prompt[p], p, job.seq, p == last) for p in range(job.fed, job.fed + take)]
+            budget -= take
+        if not items:
+            return False  # every row is aside (or none): wait for a reader or a request
+        c0 = time.process_time()
+        self._decode(items)
+        spent = time.process_time() - c0
+        prompt = len(items) - decoded
+        self.prefill_cpu_s += spent * prompt / len(items)
+        self.decode_cpu_s += spent * decoded / len(items)
+        self.steps += 1
+        self.widest = max(self.widest, len(rows))
+        if prompt:
+            self.prefills += 1
+            self.prefill_tokens += prompt
+        index = 0
+        for job, draft in rows:
+            base, index = index, index + 1 + len(draft)
+            self._advance(job, base, draft)
+        for job, first, took in filling:
+            job.fed += took
+            job.pos = job.fed
+            if job.fed == len(job.prompt):
+                self._keep(job)
+                self._emit(job, self._pick(job, first + took - 1))
+        return True
+
+    def _advance(self, job: Job, base: int, draft: list[int]) -> None:
+        """The row's tokens from this step: the one after its next token, then each draft token the
+        model agreed with, and the one after the last of those; the cells of the rest removed."""
+        job.pos += 1
+        self.drafted += len(draft)
+        for k in range(len(draft) + 1):
+            token = self._pick(job, base + k)
+            if self._emit(job, token) or k == len(draft) or token != draft[k]:
+                break
+            job.pos += 1  # the draft token is the row's own next token: its cells stay
+            self.accepted += 1
+        if draft and not job.ended:
+            L.llama_memory_seq_rm(self.m.memory, job.seq, job.pos, -1)
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        b = self.m.batch
+        b.n_tokens = len(items)
+        for i, (token, pos, seq, out) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, out
+            b.seq_id[i][0] = seq
+        rc = L.llama_decode(self.m.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def _pick(self, job: Job, i: int) -> int:
+        if job.sampler is not None:
+            return int(L.llama_sampler_sample(job.sampler, self.m.ctx, i))
+        logits = np.ctypeslib.as_array(ctypes.cast(L.llama_get_logits_ith(self.m.ctx, i),
+                                                   ctypes.POINTER(ctypes.c_float)), shape=(self.m.n_vocab,))
+        return int(logits.argmax())
+
+    def _emit(self, job: Job, token: int) -> bool:
+        """Hand `token` to the reader; True when the request has ended with it."""
+        job.next_token = token
+        if self.m.is_end(token):  # not counted, as llama-cpp-python counts an answer's tokens
+            self._end(job, "stop")
+            return True
+        job.made += 1
+        if job.made >= job.params.max_new:
+            self._end(job, "length", [token])
+            return True
+        job.answer.append(token)
+        job.outbox.put([token])
+        return False
+
+    def _end(self, job: Job, reason: str, last: list[int] | None = None, error: str | None = None,
+             code: str = "engine_failed") -> None:
+        """The request is over: its sequence's cells removed and the sequence free for the next."""
+        if job.seq >= 0:
+            L.llama_memory_seq_rm(self.m.memory, job.seq, -1, -1)
+            self._free.append(job.seq)
+            self.freed += 1
+            job.seq = -1
+        if job.sampler is not None:
+            L.llama_sampler_free(job.sampler)
+            job.sampler = None
+        if job in self._running:
+            self._running.remove(job)
+        job.ended = True
+        job.outbox.put(last or [], End(reason, job.made, error, code))
+
+    def _fail_all(self, message: str) -> None:
+        for job in [*self._running, *self._waiting]:
+            if not job.ended:
+                self._end(job, "error", error=message)
+        self._waiting = deque()
