@@ -8,7 +8,9 @@ threads T and a context of 2048:
   torch        agent.backends.torch.worker (the batched engine), on the float32 twin made by
                `fleet-agent convert` (the tests' copy under .pytest_cache/d/fleet-models)
   torch_nocache  the same with --prefix-cache 0 (every prompt prefilled whole)
-  llama_cpp    agent.backends.llama_cpp.worker (llama-cpp-python's server app) on the GGUF
+  llama_cpp_batched  agent.backends.llama_cpp.batched (fleet's batched llama.cpp worker, the agent's
+               default) on the GGUF; its burst line has the prefill floor too (its /health counters)
+  llama_cpp    agent.backends.llama_cpp.worker (llama-cpp-python's server app, FLEET_LLAMA_WORKER=server) on the GGUF
   llama_cpp_ni the same with --interrupt_requests False (the server's default, True, ends a running
                stream early whenever another request arrives: see "cut")
   llama_cpp_xN N such servers (N = --procs, each with T threads), streams spread round-robin:
@@ -89,10 +91,20 @@ class Result:
 Launch = Callable[[str, int], list[str]]  # (host, port) -> argv
 
 
-def launch(spec: Any, path: Path, threads: int, *extra: str) -> Launch:
-    """The argv the agent would run for this engine (its launch spec), plus `extra` options."""
+def launch(spec: Any, path: Path, threads: int, *extra: str, env: dict[str, str] | None = None) -> Launch:
+    """The argv the agent would run for this engine (its launch spec, in an agent whose environment
+    has `env`), plus `extra` options."""
     def argv(host: str, port: int) -> list[str]:
-        cmd = spec.command(str(path), host, port, {"threads": threads, "context_length": 2048}, _no_draft)
+        saved = {k: os.environ.get(k) for k in env or {}}
+        os.environ.update(env or {})
+        try:
+            cmd = spec.command(str(path), host, port, {"threads": threads, "context_length": 2048}, _no_draft)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         return [*cmd.argv, *extra]
     return argv
 
@@ -126,7 +138,8 @@ class Engine:
                 time.sleep(0.2)
 
     def stats(self) -> dict[str, float]:
-        """The engine's own counters from /health (the PyTorch worker's; none from llama.cpp's)."""
+        """The engine's own counters from /health (the PyTorch worker's, the batched llama.cpp
+        worker's; none from llama-cpp-python's server app)."""
         out: dict[str, float] = {}
         for url in self.urls:
             try:
@@ -235,7 +248,7 @@ def matmul_peak(threads: int) -> float:
     return 2 * 512 * 576 * 1536 / best
 
 
-def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | None = None) -> None:
+def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | None = None) -> tuple[float, ...]:
     """Rounds of (1 stream, n at once, n staggered streams), one after the other, so that a change
     in the machine's load hits all three alike; ratios are taken within a round, then the median.
     The staggered run is measured over the window in which all n streams are running (ramp-up
@@ -316,11 +329,12 @@ def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | 
               f"worst TTFT {tb:4.1f}x{detail} | {n} streams {rs:4.2f}x, TTFT worst stream median {ts:4.1f}x, worst "
               f"request {tw:4.1f}x | per CPU-s: 1 stream {cps1:5.1f} tok, {n} at once {cb:4.2f}x, {n} streams "
               f"{cs:4.2f}x | cut {cut:g}", flush=True)
+    return tuple(statistics.median(c) for c in zip(*rows))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default="torch,llama_cpp,llama_cpp_ni,llama_cpp_xN,llama_cpp_batch")
+    ap.add_argument("--engines", default="torch,llama_cpp_batched,llama_cpp,llama_cpp_ni,llama_cpp_xN,llama_cpp_batch")
     ap.add_argument("--threads", type=int, default=1,
                     help="threads per engine process; 0: none given, as a fleet without `threads` launches them")
     ap.add_argument("--tokens", type=int, default=32)
@@ -333,23 +347,28 @@ def main() -> None:
     from agent.backends.torch import spec as torch_spec
 
     gguf = smollm2_gguf()
-    llama = launch(llama_spec.SPEC, gguf, args.threads)
-    quiet = launch(llama_spec.SPEC, gguf, args.threads, "--interrupt_requests", "False")
+    server = {llama_spec.WORKER_ENV: "server"}
+    llama = launch(llama_spec.SPEC, gguf, args.threads, env=server)
+    quiet = launch(llama_spec.SPEC, gguf, args.threads, "--interrupt_requests", "False", env=server)
+    batched = launch(llama_spec.SPEC, gguf, args.threads, env={llama_spec.WORKER_ENV: "batched"})
     threads = f"{args.threads}" if args.threads else f"the engines' default (torch: {DEFAULT_THREADS})"
     print(f"SmolLM2-135M-Instruct, {args.tokens} tokens per request, {args.requests} requests per stream, "
           f"{threads} thread(s) per engine process", flush=True)
+    figures: dict[str, tuple[float, ...]] = {}
     for name in args.engines.split(","):
         shape: Shape | None = None
         if name == "llama_cpp_batch":
             from bench.llama_batch import llama_batched
 
-            llama_batched(args, TOPICS)
+            figures[name] = llama_batched(args, TOPICS)
             continue
         if name in ("torch", "torch_nocache"):
             model = smollm2_safetensors(ROOT / ".pytest_cache" / "d" / "fleet-models", "float32")  # the tests' copy
             extra = ("--prefix-cache", "0") if name == "torch_nocache" else ()
             engine = Engine([launch(torch_spec.SPEC, model, args.threads, *extra)], torch_spec.SPEC.health)
             shape = model_shape(model)
+        elif name == "llama_cpp_batched":
+            engine = Engine([batched], llama_spec.SPEC.health)
         elif name == "llama_cpp":
             engine = Engine([llama], llama_spec.SPEC.health)
         elif name == "llama_cpp_ni":
@@ -360,9 +379,16 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown engine {name}")
         try:
-            measure(name, engine, args, shape)
+            figures[name] = measure(name, engine, args, shape)
         finally:
             engine.stop()
+    if "llama_cpp_batched" in figures and "llama_cpp_batch" in figures:
+        tps1, _, rb, *_ = figures["llama_cpp_batched"]
+        rs = figures["llama_cpp_batched"][14]
+        inproc = figures["llama_cpp_batch"][1]
+        print(f"llama_cpp_batched against the bindings' in-process batched decoding at {args.streams} sequences "
+              f"({inproc:5.1f} tok/s): {args.streams} at once {rb * tps1:5.1f} tok/s ({rb * tps1 / inproc:4.2f}x), "
+              f"{args.streams} streams {rs * tps1:5.1f} tok/s ({rs * tps1 / inproc:4.2f}x)", flush=True)
 
 
 if __name__ == "__main__":
