@@ -28,7 +28,11 @@ EXIT_REFUSED = Exit.INVALID_CONFIG  # the environment or the flags make it point
 
 
 class Refused(Exception):
-    """A reason not to start, said in full."""
+    """A reason not to start, said in full; `code` the error document's (a stable name)."""
+
+    def __init__(self, message: str, code: str = "refused") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _home(args: argparse.Namespace) -> Path:
@@ -227,7 +231,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         digest, manifest = Store(home, key).import_model(src, name, link=args.link, encrypt=args.encrypt,
                                                          piece_bytes=piece_bytes)
     except (StoreError, OSError) as exc:
-        raise Refused(f"cannot import {src}: {exc}") from None
+        raise Refused(f"cannot import {src}: {exc}", getattr(exc, "code", "refused")) from None
     size = sum(f["size"] for f in manifest["files"])
     if args.json:
         print(json.dumps({"digest": digest, "name": name, "format": manifest["format"], "bytes": size,
@@ -321,7 +325,7 @@ def run(argv: Sequence[str]) -> int:
         return int(COMMANDS[args.command](args))
     except Refused as exc:
         message = f"refusing to start: {exc}" if args.command == "serve" else str(exc)
-        return _fail(argv, command, EXIT_REFUSED, "refused", message)
+        return _fail(argv, command, EXIT_REFUSED, exc.code, message)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -29,6 +29,7 @@ import httpx  # noqa: E402
 
 from tests.agents import SECRET, Agent, agent_env, free_port  # noqa: E402
 from tests.conftest import fleet_bin  # noqa: E402
+from tests.models import gguf_header  # noqa: E402
 
 CHUNK = 1 << 20
 
@@ -37,9 +38,10 @@ def make_file(path: Path, size: int) -> str:
     h = hashlib.sha256()
     block = os.urandom(64 << 20)
     with open(path, "wb") as fh:
-        fh.write(b"GGUF")
-        h.update(b"GGUF")
-        left = size - 4
+        header = gguf_header(size)  # a valid GGUF: fleet-agent import checks the header
+        fh.write(header)
+        h.update(header)
+        left = size - len(header)
         while left:
             piece = block[: min(len(block), left)]
             fh.write(piece)

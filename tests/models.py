@@ -30,6 +30,31 @@ def flip(path: Path, offset: int) -> None:
         fh.write(bytes([byte[0] ^ 0x01]))
 
 
+def gguf_header(size: int) -> bytes:
+    """The header of a valid GGUF exactly `size` bytes long whose one tensor (I8, named "random") is
+    the rest of the file: what a test that needs a GGUF of some size, and not a model, writes before
+    `size - len(header)` bytes of its own (fleet-agent import checks every header)."""
+    import struct
+
+    def text(s: str) -> bytes:
+        return struct.pack("<Q", len(s)) + s.encode()
+
+    def build(n: int) -> bytes:
+        head = (b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + text("general.architecture") + struct.pack("<I", 8)
+                + text("llama") + text("random") + struct.pack("<IQIQ", 1, n, 24, 0))  # 24: GGML I8
+        return head + b"\0" * (-len(head) % 32)
+
+    header = build(0)
+    assert size > len(header), f"a GGUF of one tensor needs more than {len(header)} bytes"
+    return build(size - len(header))
+
+
+def random_gguf(size: int) -> bytes:
+    """A valid GGUF of exactly `size` bytes, all but its header random."""
+    header = gguf_header(size)
+    return header + os.urandom(size - len(header))
+
+
 def tiny_gguf(base: Path) -> Path:
     out = base / "tiny-llama.gguf"
     if not out.exists():

@@ -6,7 +6,6 @@ is resumed by the next apply, each receiver keeping the pieces it verified."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -17,6 +16,7 @@ import pytest
 
 from tests.agents import Agent, agent_env, free_port
 from tests.conftest import fleet_bin
+from tests.models import random_gguf
 
 pytestmark = pytest.mark.e2e
 PIECE = 1 << 20
@@ -31,7 +31,7 @@ class Chain:
 
     def model(self, name: str, size: int) -> tuple[str, bytes]:
         """A GGUF-looking model of random bytes imported on cp in pieces of PIECE: its digest and bytes."""
-        data = b"GGUF" + os.urandom(size - 4)
+        data = random_gguf(size)
         path = self.base / f"{name}.gguf"
         path.write_bytes(data)
         proc = subprocess.run([fleet_bin("fleet-agent"), "import", "--home", str(self.agents["cp"].home), str(path),

@@ -16,7 +16,7 @@ from reconciler.state.store import StateStore
 from tests.agents import SECRET, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import Fleet, chat, import_model, three_node_fleet
-from tests.models import tiny_gguf
+from tests.models import random_gguf, tiny_gguf
 
 pytestmark = pytest.mark.e2e
 AUTH = {"Authorization": f"Bearer {SECRET}"}
@@ -132,7 +132,7 @@ def test_a_held_lock_names_its_holder_and_unlock_releases_it(fleet: Fleet) -> No
 
 def test_a_killed_apply_leaves_a_lock_the_next_apply_takes_over(fleet: Fleet) -> None:
     big = fleet.base / "models" / "big.gguf"
-    big.write_bytes(b"GGUF" + os.urandom(192 << 20))
+    big.write_bytes(random_gguf((192 << 20) + 4))
     digest = import_model(fleet.agents["cp"], big)
     fleet.write(replicas="  tiny: [a]\n  big: [b]",
                 extra_models=f'  big: {{format: gguf, digest: "{digest}", source: cp}}')

@@ -5,7 +5,6 @@ client holding more connections than the agent's cap is answered 503."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from tests.agents import SECRET, Agent, free_port
 from tests.fleets import import_model
+from tests.models import random_gguf
 
 # Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
 pytestmark = pytest.mark.e2e
@@ -38,7 +38,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
 @pytest.fixture(scope="module")
 def blob(agent: Agent, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, bytes]:
     src = tmp_path_factory.mktemp("blob") / "m.gguf"
-    src.write_bytes(b"GGUF" + os.urandom(4096))
+    src.write_bytes(random_gguf(4100))
     digest = import_model(agent, src)
     sha = json.loads(agent.get(f"/v1/manifests/{digest}").content)["files"][0]["sha256"]
     return str(sha), src.read_bytes()

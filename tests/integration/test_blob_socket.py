@@ -29,6 +29,7 @@ from agent.transfer.blobs import BULK_LOWAT, FD_SCAN_MAX, bulk_sending, connecti
 from agent.transfer.forward import Partial, PartialBlobResponse, UpstreamEnded
 from tests.agents import SECRET, Agent, free_port
 from tests.fleets import import_model
+from tests.models import random_gguf
 from wire.floor import FLOOR_BYTES
 
 TRIO_LOWAT = 1 << 14
@@ -104,7 +105,7 @@ def test_among_thousands_of_descriptors_the_search_is_bounded_to_the_newest() ->
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, str, bytes, str]]:
     """A real agent holding one blob of 8 MiB and a bit: (agent, its sha256, its bytes, its model's digest)."""
     base = tmp_path_factory.mktemp("blob-socket")
-    data = b"GGUF" + os.urandom((8 << 20) + 4093)
+    data = random_gguf((8 << 20) + 4097)
     (base / "m.gguf").write_bytes(data)
     agent = Agent("node-s", "127.0.0.2", free_port("127.0.0.2"), base / "s").start()
     try:

@@ -30,6 +30,7 @@ from reconciler.state.store import StateStore
 from tests.agents import Agent, agent_env, free_port
 from tests.conftest import ROOT, fleet_bin
 from tests.fleets import import_model
+from tests.models import random_gguf
 
 # Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
 pytestmark = pytest.mark.e2e
@@ -176,7 +177,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda a: a.start(), agents.values()))
         fake = base / "q.gguf"
-        fake.write_bytes(b"GGUF" + os.urandom(4096))  # a GGUF by its name and magic: enough to plan with
+        fake.write_bytes(random_gguf(4100))  # a valid GGUF of random bytes: enough to plan with
         digest = import_model(agents["cp"], fake)
         real = {n: (a.address, a.port) for n, a in agents.items()}
         model = f'q: {{format: gguf, digest: "{digest}", source: cp}}'

@@ -6,7 +6,6 @@ then the same apply deletes them, and says so."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,12 +16,13 @@ from reconciler.cli.exitcodes import Exit
 from tests.agents import Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import import_model
+from tests.models import random_gguf
 
 pytestmark = pytest.mark.e2e
 
 
 def fake_gguf(path: Path) -> Path:
-    path.write_bytes(b"GGUF" + os.urandom(4096))  # a GGUF by its name and magic: enough to plan with
+    path.write_bytes(random_gguf(4100))  # a valid GGUF of random bytes: enough to plan with
     return path
 
 

@@ -6,7 +6,6 @@ digest, changes that are not a list) is refused with a coded error before the ap
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from reconciler.state.store import StateStore
 from tests.agents import Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import import_model
+from tests.models import random_gguf
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +59,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         digests = {}
         for name in ("q", "r"):
             fake = base / f"{name}.gguf"
-            fake.write_bytes(b"GGUF" + os.urandom(4096))  # a GGUF by its name and magic: enough to plan with
+            fake.write_bytes(random_gguf(4100))  # a valid GGUF of random bytes: enough to plan with
             digests[name] = import_model(agents["cp"], fake)
         nodes = "\n".join(f"  {n}: {{address: {a.address}, agent_port: {a.port}}}" for n, a in agents.items())
         file = base / "fleet.yaml"

@@ -24,7 +24,7 @@ from safetensors.numpy import load_file
 from tests.agents import SECRET, Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import import_model
-from tests.models import tiny_gguf, tiny_safetensors
+from tests.models import gguf_header, random_gguf, tiny_gguf, tiny_safetensors
 from wire import manifest as mf
 from wire.layers import LayerRange
 from wire.pieces import sized
@@ -88,7 +88,7 @@ def test_replicates_onward_byte_for_byte(trio_agents: list[Agent], models: tuple
 def test_corrupt_peer_is_named_and_bad_bytes_are_not_kept(trio_agents: list[Agent], tmp_path: Path) -> None:
     a, b, _ = trio_agents
     src = tmp_path / "corrupt.gguf"
-    src.write_bytes(b"GGUF" + os.urandom(3 << 20))
+    src.write_bytes(random_gguf((3 << 20) + 4))
     digest = import_model(a, src)
     sha = json.loads(a.get(f"/v1/manifests/{digest}").content)["files"][0]["sha256"]
     blob = a.home / "store" / "blobs" / sha
@@ -175,7 +175,7 @@ def test_range_past_the_end_is_refused(trio_agents: list[Agent], models: tuple[P
 def test_delete_removes_the_model_and_its_blobs(trio_agents: list[Agent], tmp_path: Path) -> None:
     a = trio_agents[0]
     src = tmp_path / "gone.gguf"
-    src.write_bytes(b"GGUF" + os.urandom(4096))
+    src.write_bytes(random_gguf(4100))
     digest = import_model(a, src)
     sha = json.loads(a.get(f"/v1/manifests/{digest}").content)["files"][0]["sha256"]
     r = httpx.delete(f"{a.url}/v1/weights/{digest}", headers=AUTH, timeout=10)
@@ -194,7 +194,7 @@ def test_resume_after_sigkill_at_random_points(tmp_path: Path) -> None:
     try:
         size = 96 << 20
         model = tmp_path / "big.gguf"
-        model.write_bytes(b"GGUF" + os.urandom(size - 4))
+        model.write_bytes(random_gguf(size))
         digest = import_model(src_agent, model)
         sha = json.loads(src_agent.get(f"/v1/manifests/{digest}").content)["files"][0]["sha256"]
         partial = dst.home / "store" / "partial" / f"{sha}.part"
@@ -247,7 +247,7 @@ def killed_mid_transfer(tmp_path: Path) -> Iterator[tuple[Agent, Agent, str, dic
         # Large enough that the copy is still going when the kill comes after the poll's answer: a
         # receiver hashing each byte once copied 64 MiB between a poll and the kill at load 3.
         model = tmp_path / "m.gguf"
-        model.write_bytes(b"GGUF" + os.urandom(SIZE_KILLED - 4))
+        model.write_bytes(random_gguf(SIZE_KILLED))
         digest = import_model(src, model)
         put(dst, digest, src)
         while dst.get(f"/v1/weights/{digest}").json()["bytes_done"] < SIZE_KILLED // 8:
@@ -290,11 +290,12 @@ def test_a_delete_after_a_failed_fetch_removes_what_it_kept_for_a_resume(tmp_pat
 
 # ---- disk work off the event loop, and a disk that is (nearly) full ----
 
-def sparse_gguf(path: Path, size: int) -> Path:
-    """A GGUF-looking file of `size` bytes, nearly all a hole: hashing it costs CPU, writing it nothing."""
+def sparse_gguf(path: Path, size: int, length: int | None = None) -> Path:
+    """A GGUF of `size` bytes, nearly all a hole: hashing it costs CPU, writing it nothing (only its
+    first `length` bytes, when given: what an earlier attempt at fetching it kept)."""
     with open(path, "wb") as fh:
-        fh.write(b"GGUF")
-        fh.truncate(size)
+        fh.write(gguf_header(size))
+        fh.truncate(size if length is None else length)
     return path
 
 
@@ -328,7 +329,7 @@ def test_a_resume_rehashes_what_it_finds_without_stalling_the_api(tmp_path: Path
         entry = json.loads(src.get(f"/v1/manifests/{digest}").content)["files"][0]
         sha, piece = entry["sha256"], entry["piece_bytes"]
         assert piece == sized(size) and "prefixes" in entry  # an import's pieces, by the file's size
-        sparse_gguf(dst.home / "store" / "partial" / f"{sha}.part", size - 1)  # an earlier attempt's bytes
+        sparse_gguf(dst.home / "store" / "partial" / f"{sha}.part", size, size - 1)  # an earlier attempt's bytes
         began = time.monotonic()
         assert put(dst, digest, src).status_code == 202
         slowest = 0.0
@@ -377,7 +378,7 @@ def test_a_fetch_past_the_reserve_is_refused_naming_node_and_free_space(tmp_path
         dst = Agent("dst", "127.0.0.3", port, small / "dst").start()  # default reserve: a tenth of 50 MiB
         try:
             model = tmp_path / "big.gguf"
-            model.write_bytes(b"GGUF" + os.urandom((64 << 20) - 4))  # more than the whole disk
+            model.write_bytes(random_gguf(64 << 20))  # more than the whole disk
             digest = import_model(src, model)
             disk = dst.get("/v1/state").json()["inventory"]["disk"]
             assert disk["reserve_bytes"] == (50 << 20) // 10
@@ -405,7 +406,7 @@ def test_two_fetches_that_fit_only_one_at_a_time(tmp_path: Path) -> None:
             digests = []
             for i in range(2):
                 model = tmp_path / f"m{i}.gguf"
-                model.write_bytes(b"GGUF" + os.urandom((30 << 20) - 4))
+                model.write_bytes(random_gguf(30 << 20))
                 digests.append(import_model(src, model))
             for d in digests:
                 put(dst, d, src)

@@ -24,6 +24,7 @@ from agent.weights.store import Store
 from agent.serving.supervisor import Refused, Server, Workers
 from tests.agents import SECRET, agent_env, free_port, wait_healthy
 from tests.conftest import fleet_bin
+from tests.models import random_gguf
 
 # Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
 pytestmark = pytest.mark.e2e
@@ -59,7 +60,7 @@ SPEC = LaunchSpec(name="tiny", format="gguf", modules=("json",), extra="tiny", h
 def held_gguf(home: Path) -> tuple[Store, str]:
     src = home / "m.gguf"
     home.mkdir(parents=True, exist_ok=True)
-    src.write_bytes(b"GGUF" + os.urandom(64))
+    src.write_bytes(random_gguf(4100))
     store = Store(home)
     digest, _ = store.import_model(src, "m")
     return store, digest
