@@ -253,7 +253,7 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
         from agent.simulation import testmodel
     except ImportError as exc:
         raise Refused(f"making test models needs numpy, safetensors, gguf and tokenizers "
-                      f"(pip install 'fleet[testmodels]'): {exc}") from None
+                      f"(pip install 'inference-fleet[testmodels]'): {exc}") from None
     shape = testmodel.Shape(layers=args.layers, hidden=args.hidden, intermediate=args.hidden * 2)
     out = Path(args.out)
     if args.format == "gguf":

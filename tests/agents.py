@@ -39,8 +39,8 @@ def agent_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def enroll(home: Path, name: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([fleet_bin("fleet-agent"), "enroll", "--home", str(home), "--name", name],
+def enroll(home: Path, name: str, exe: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([exe or fleet_bin("fleet-agent"), "enroll", "--home", str(home), "--name", name],
                           capture_output=True, text=True, env=agent_env(), timeout=30, check=True)
 
 
@@ -54,6 +54,7 @@ class Agent:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[str] | None = None
     tls_cert: Path | None = None  # serve HTTPS with this certificate (its key beside it as key.pem)
+    bindir: Path | None = None  # run the fleet-agent installed here (another venv) instead of this one's
 
     @property
     def url(self) -> str:
@@ -64,11 +65,12 @@ class Agent:
         return ssl.create_default_context(cafile=str(self.tls_cert)) if self.tls_cert else True
 
     def start(self, timeout: float = 30) -> Agent:
+        exe = str(self.bindir / "fleet-agent") if self.bindir else fleet_bin("fleet-agent")
         if not (self.home / "identity.json").exists():
-            enroll(self.home, self.name)
+            enroll(self.home, self.name, exe)
         log = open(self.home.parent / f"{self.name}.log", "a")
         self.proc = subprocess.Popen(
-            [fleet_bin("fleet-agent"), "serve", "--home", str(self.home), "--listen", f"{self.address}:{self.port}",
+            [exe, "serve", "--home", str(self.home), "--listen", f"{self.address}:{self.port}",
              *self.args, *(["--tls-cert", str(self.tls_cert), "--tls-key", str(self.tls_cert.with_name("key.pem"))]
                             if self.tls_cert else [])], env=agent_env(**self.env), stdout=log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout
