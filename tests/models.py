@@ -63,6 +63,16 @@ def tiny_gguf(base: Path) -> Path:
     return out
 
 
+def gguf_missing_tensor(base: Path, name: str) -> Path:
+    """The tiny model as a well-formed GGUF without its output norm: fleet-agent import takes it (every
+    header and tensor checks out) and llama.cpp refuses to load it (missing tensor), the engine's own
+    failure where a truncated file is now refused at import."""
+    out = base / name
+    if not out.exists():
+        make_gguf(out, Shape(), omit=frozenset({"output_norm.weight"}))
+    return out
+
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -114,8 +114,9 @@ def _permute(w: Any, n_head: int) -> Any:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def make_gguf(path: Path, shape: Shape = Shape()) -> Path:
-    """The same model as one GGUF file (arch llama, gpt2 tokenizer, f32 tensors)."""
+def make_gguf(path: Path, shape: Shape = Shape(), omit: frozenset[str] = frozenset()) -> Path:
+    """The same model as one GGUF file (arch llama, gpt2 tokenizer, f32 tensors); a tensor named in
+    `omit` is left out (a well-formed file that llama.cpp refuses to load, as tests need)."""
     import logging
 
     import gguf
@@ -155,20 +156,24 @@ def make_gguf(path: Path, shape: Shape = Shape()) -> Path:
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
 
-    writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    def add(name: str, tensor: Any) -> None:
+        if name not in omit:
+            writer.add_tensor(name, tensor)
+
+    add("token_embd.weight", w["model.embed_tokens.weight"])
     for n in range(shape.layers):
         p, b = f"model.layers.{n}.", f"blk.{n}."
-        writer.add_tensor(b + "attn_norm.weight", w[p + "input_layernorm.weight"])
-        writer.add_tensor(b + "attn_q.weight", _permute(w[p + "self_attn.q_proj.weight"], shape.heads))
-        writer.add_tensor(b + "attn_k.weight", _permute(w[p + "self_attn.k_proj.weight"], shape.kv_heads))
-        writer.add_tensor(b + "attn_v.weight", w[p + "self_attn.v_proj.weight"])
-        writer.add_tensor(b + "attn_output.weight", w[p + "self_attn.o_proj.weight"])
-        writer.add_tensor(b + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"])
-        writer.add_tensor(b + "ffn_gate.weight", w[p + "mlp.gate_proj.weight"])
-        writer.add_tensor(b + "ffn_up.weight", w[p + "mlp.up_proj.weight"])
-        writer.add_tensor(b + "ffn_down.weight", w[p + "mlp.down_proj.weight"])
-    writer.add_tensor("output_norm.weight", w["model.norm.weight"])
-    writer.add_tensor("output.weight", w["lm_head.weight"])
+        add(b + "attn_norm.weight", w[p + "input_layernorm.weight"])
+        add(b + "attn_q.weight", _permute(w[p + "self_attn.q_proj.weight"], shape.heads))
+        add(b + "attn_k.weight", _permute(w[p + "self_attn.k_proj.weight"], shape.kv_heads))
+        add(b + "attn_v.weight", w[p + "self_attn.v_proj.weight"])
+        add(b + "attn_output.weight", w[p + "self_attn.o_proj.weight"])
+        add(b + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"])
+        add(b + "ffn_gate.weight", w[p + "mlp.gate_proj.weight"])
+        add(b + "ffn_up.weight", w[p + "mlp.up_proj.weight"])
+        add(b + "ffn_down.weight", w[p + "mlp.down_proj.weight"])
+    add("output_norm.weight", w["model.norm.weight"])
+    add("output.weight", w["lm_head.weight"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from reconciler.cli.demo import QUESTION
 from tests.conftest import fleet_bin
 
 pytestmark = pytest.mark.e2e
@@ -83,8 +84,10 @@ def test_demo_runs_the_whole_job_and_cleans_up_then_keeps_a_fleet(tmp_path: Path
         assert base is not None, out
         # What it printed works: the openai client at the base URL, and the curl line's request.
         client = openai.OpenAI(base_url=base[1], api_key="x", max_retries=0, timeout=300)
+        # The demo's own question: SmolLM2 Q4_1's greedy answer to the bare "What is the capital of
+        # France?" is a list of French words, on llama-cpp-python's own single-sequence path too.
         reply = client.chat.completions.create(model="local", temperature=0, max_tokens=32,
-                                               messages=[{"role": "user", "content": "What is the capital of France?"}])
+                                               messages=[{"role": "user", "content": QUESTION}])
         assert "Paris" in (reply.choices[0].message.content or "")
         curl = re.search(r"curl (http://\S+) -H 'content-type: application/json' \\\n\s+-d '(.*)'", out)
         assert curl is not None, out

@@ -1,5 +1,5 @@
 """Servers that cannot load, shown whole end to end: real agents, real engines, `fleet plan/apply/
-serve/nodes`. One cluster per cause (weights imported already truncated, a tensor missing, a KV
+serve/nodes`. One cluster per cause (a GGUF llama.cpp cannot load, a safetensors tensor missing, a KV
 cache larger than the machine's memory, a torch build that cannot use the node's GPUs); each is
 shown with its full reason in `fleet nodes --wide`, and a client asking its cluster through `fleet
 serve` gets a 503 naming the machine and carrying that reason, with no filesystem path in it."""
@@ -25,7 +25,7 @@ from agent.simulation.testmodel import Shape, make_gguf
 from tests.agents import Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import import_model
-from tests.models import tiny_gguf, tiny_safetensors
+from tests.models import gguf_missing_tensor, tiny_gguf, tiny_safetensors
 
 pytestmark = pytest.mark.e2e
 
@@ -57,9 +57,7 @@ class Failing:
 def broken_models(models: Path) -> dict[str, Path]:
     from safetensors.numpy import load_file, save_file
 
-    whole = tiny_gguf(models).read_bytes()
-    truncated = models / "truncated.gguf"
-    truncated.write_bytes(whole[: len(whole) * 2 // 3])  # imported cut short: its digest is of these bytes
+    truncated = gguf_missing_tensor(models, "truncated.gguf")  # well-formed, but llama.cpp cannot load it
     src, missing = tiny_safetensors(models), models / "missing-tensor"
     missing.mkdir(exist_ok=True)
     for f in src.iterdir():

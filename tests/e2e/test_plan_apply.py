@@ -16,7 +16,7 @@ from reconciler.state.store import StateStore
 from tests.agents import SECRET, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import Fleet, chat, import_model, three_node_fleet
-from tests.models import random_gguf, tiny_gguf
+from tests.models import gguf_missing_tensor, random_gguf, tiny_gguf
 
 pytestmark = pytest.mark.e2e
 AUTH = {"Authorization": f"Bearer {SECRET}"}
@@ -160,10 +160,7 @@ def test_a_killed_apply_leaves_a_lock_the_next_apply_takes_over(fleet: Fleet) ->
 
 
 def test_a_failed_action_gives_exit_7_and_skips_its_dependents(fleet: Fleet) -> None:
-    broken = fleet.base / "models" / "broken.gguf"
-    whole = tiny_gguf(fleet.base / "models").read_bytes()
-    broken.write_bytes(whole[: len(whole) // 3])
-    digest = import_model(fleet.agents["cp"], broken)
+    digest = import_model(fleet.agents["cp"], gguf_missing_tensor(fleet.base / "models", "broken.gguf"))
     fleet.write(replicas="  tiny: [a]", extra_models=f'  broken: {{format: gguf, digest: "{digest}", source: cp}}',
                 clusters=f"  bad: {{model: broken, members: [cp], port: {fleet.server_port}}}\n"
                          f"  good: {{model: tiny-q, members: [cp], port: {free_port('127.0.0.2')}}}")

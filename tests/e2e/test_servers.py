@@ -16,7 +16,7 @@ import pytest
 
 from tests.agents import SECRET, Agent, free_port
 from tests.fleets import import_model
-from tests.models import tiny_gguf, tiny_safetensors
+from tests.models import gguf_missing_tensor, tiny_gguf, tiny_safetensors
 
 pytestmark = pytest.mark.e2e
 AUTH = {"Authorization": f"Bearer {SECRET}"}
@@ -103,16 +103,13 @@ def test_refused_before_spawning(node: tuple[Agent, dict[str, str], Path]) -> No
     assert "busy" not in [s["id"] for s in agent.get("/v1/servers").json()["servers"]]
 
 
-def test_truncated_gguf_fails_with_the_engine_error(node: tuple[Agent, dict[str, str], Path]) -> None:
+def test_gguf_llama_cpp_cannot_load_fails_with_the_engine_error(node: tuple[Agent, dict[str, str], Path]) -> None:
     agent, _, models = node
-    broken = models / "truncated.gguf"
-    whole = tiny_gguf(models).read_bytes()
-    broken.write_bytes(whole[: len(whole) // 2])
-    digest = import_model(agent, broken)
+    digest = import_model(agent, gguf_missing_tensor(models, "no-norm.gguf"))
     start(agent, "trunc", digest, free_port("127.0.0.2"))
     s = settle(agent, "trunc")
     assert s["state"] == "failed"
-    assert "exited with code" in s["reason"] and "truncated.gguf" in s["reason"]
+    assert "exited with code" in s["reason"] and "output_norm" in s["reason"]
     assert s["exit"]["code"] not in (0, None)
 
 

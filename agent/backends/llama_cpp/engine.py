@@ -103,12 +103,14 @@ class Model:
             mp.tensor_split = self._split
         model = L.llama_model_load_from_file(path.encode(), mp)
         if not model:
-            raise SystemExit(f"llama.cpp could not load the model {os.path.basename(path)} (not a GGUF file it reads)")
+            raise SystemExit(f"llama.cpp could not load the model {os.path.basename(path)}{_said()}")
         self.model = model
         self.vocab = L.llama_model_get_vocab(model)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
         train = int(L.llama_model_n_ctx_train(model)) or 2048
-        wanted = min(context_length or 2048, train)  # llama_cpp.server's default n_ctx, as the old worker had
+        # A context_length set is what the cluster asked for, past the training length too (llama.cpp
+        # warns and allows it, as its server does); unset, llama_cpp.server's default n_ctx.
+        wanted = context_length or min(2048, train)
         self.prefix_cache = prefix_cache
         most = int(L.llama_max_parallel_sequences()) - (1 if prefix_cache else 0)
         self.parallel = max(1, min(parallel or _fits_parallel(model, wanted), most))
@@ -135,7 +137,7 @@ class Model:
         cp.kv_unified = prefix_cache  # else each sequence its own `wanted` cells
         ctx = L.llama_init_from_model(model, cp)
         if not ctx:
-            raise SystemExit(f"llama.cpp could not make a context of {self.parallel} x {wanted} tokens")
+            raise SystemExit(f"llama.cpp could not make a context of {self.parallel} x {wanted} tokens{_said()}")
         self.ctx = ctx
         self.memory = L.llama_get_memory(ctx)
         self.context_length = min(wanted, int(L.llama_n_ctx_seq(ctx)))
@@ -198,9 +200,26 @@ class Model:
         return None
 
 
+LOG_ERROR, LOG_CONT = 4, 5  # ggml_log_level: its errors, and a line continuing the one before
+_errors: deque[str] = deque(maxlen=8)  # llama.cpp's latest error lines, for the reason a load failed with
+_last_level = 0
+
+
 @L.llama_log_callback  # type: ignore[untyped-decorator]
 def _quiet(level: int, text: bytes, user_data: object) -> None:
-    pass
+    """llama.cpp's log kept off stderr, but for its error lines: a failed load says why in them."""
+    global _last_level
+    level = _last_level if level == LOG_CONT else level
+    _last_level = level
+    if level == LOG_ERROR:
+        line = text[:1000].decode("utf-8", "replace").strip()
+        if line:
+            _errors.append(line)
+
+
+def _said() -> str:
+    """llama.cpp's own words for the failure just met, if it logged any (": " and the lines)."""
+    return (": " + "; ".join(_errors)) if _errors else ""
 
 
 class Engine:
