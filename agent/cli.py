@@ -161,6 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     ctx = assemble(home, ident, secret, __version__, probe, ProcessLauncher(), listen_host=host, windows=wins,
                    verify_every_s=verify_every, disk_reserve=reserve, weights_key=weights_key, peer_tls=peer_tls)
+    if isinstance(probe, inventory.SimulatedGpus):  # as NVML shows a loaded server's memory as used
+        probe.loaded = ctx.workers.reserved
     app = create_app(ctx)
     return serve(app, host, port, ident, spawner=ctx.spawner, workers=ctx.workers,
                  max_connections=args.max_connections, tls_cert=args.tls_cert, tls_key=args.tls_key,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Sequence
 
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
@@ -18,12 +18,13 @@ from starlette.routing import Route
 from wire import live
 from wire import manifest as mf
 from wire.layers import LayerRange, LayerRangeError
+from wire.state import GpuJson, ServerEntry
 from wire.windows import status
 
 from agent.transfer.blobs import BlobResponse
 from agent.transfer.forward import PartialBlobResponse
 from agent.weights.store import StoreError
-from agent.serving.supervisor import Refused
+from agent.serving.supervisor import HOLDING, Refused, check_settings
 
 if TYPE_CHECKING:
     from agent.api.context import AgentContext
@@ -224,7 +225,8 @@ class Servers:
             mf.check_digest(body["model"])
         if (refused := outside_window(self.ctx)) is not None:
             return refused
-        server = self.ctx.workers.start(body)
+        check_settings(body.get("settings"))  # what a plan's start may carry (schemas/plan.schema.json)
+        server = self.ctx.workers.start(body, [g.to_json() for g in self.ctx.gpu_probe.gpus()])  # as they are now
         # A few turns of the scheduler for its supervision's first steps: a server that answers its
         # health check at once (a simulated one) is then running in this answer, and fleet apply
         # needs no poll for it. No time passes: a real engine is still starting here.
@@ -235,17 +237,32 @@ class Servers:
         return JSONResponse(server.to_json(), status_code=202)
 
     async def list(self, _: Request) -> Response:
-        return JSONResponse({"servers": [s.to_json() for s in self.ctx.workers.servers.values()]})
+        present = [g.to_json() for g in self.ctx.gpu_probe.gpus()]
+        return JSONResponse({"servers": [with_gpus_gone(s.to_json(), present, self.ctx.gpu_probe.source)
+                                         for s in self.ctx.workers.servers.values()]})
 
     async def get(self, request: Request) -> Response:
         server = self.ctx.workers.servers.get(request.path_params["sid"])
         if server is None:
             return error_response(404, "server_not_found", f"no server {request.path_params['sid']} on this node")
-        return JSONResponse(server.to_json())
+        present = [g.to_json() for g in self.ctx.gpu_probe.gpus()]
+        return JSONResponse(with_gpus_gone(server.to_json(), present, self.ctx.gpu_probe.source))
 
     async def delete(self, request: Request) -> Response:
         server = await self.ctx.workers.stop(request.path_params["sid"])
         return JSONResponse(server.to_json())
+
+
+def with_gpus_gone(entry: ServerEntry, present: Sequence[GpuJson], source: str) -> ServerEntry:
+    """A server's entry, its reason saying which of its GPUs the node no longer reports (removed,
+    fallen off the bus): the server is reported as it is, and the plan sees why it may not serve."""
+    have = {g["uuid"] for g in present}
+    gone = [g for g in entry.get("gpus") or [] if g["uuid"] not in have]
+    if not gone or entry["state"] not in HOLDING:
+        return entry
+    words = ", ".join(f"GPU {g['index']} ({g['uuid']})" for g in gone)
+    said = f"{words} given to this server {'is' if len(gone) == 1 else 'are'} no longer reported by {source}"
+    return {**entry, "reason": f"{said}; {entry['reason']}" if entry.get("reason") else said}
 
 
 class Node:
@@ -261,6 +278,8 @@ class Node:
 
     async def state(self, request: Request) -> Response:
         state = self.ctx.state()
+        state["servers"] = [with_gpus_gone(s, state["inventory"]["gpus"], state["inventory"]["gpu_source"])
+                            for s in state["servers"]]
         tag = self.ctx.generations(state)
         etag = f'"{tag}"'
         # The control plane asks again with the generation it holds: unchanged, it gets no body,

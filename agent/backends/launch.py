@@ -110,6 +110,17 @@ def worker_environment(agent: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in agent.items() if not k.startswith("FLEET_")}
 
 
+def gpu_environment(gpus: Sequence[Mapping[str, Any]], legacy_gpu_ask: bool = False) -> dict[str, str]:
+    """What a worker's environment says of its GPUs: CUDA_VISIBLE_DEVICES naming exactly the GPUs it
+    was given, by UUID in the order given (CUDA numbers them 0..N-1 in that order, so the engine's
+    own device options count from 0); "" for a server given none, so that a CPU server on a GPU
+    node never lands on GPU 0. `legacy_gpu_ask`: a start asking for GPUs (tensor_parallel) that names
+    none, as a control plane older than the per-GPU ledger sends: the worker sees what the agent sees."""
+    if gpus:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(g["uuid"]) for g in gpus)}
+    return {} if legacy_gpu_ask else {"CUDA_VISIBLE_DEVICES": ""}
+
+
 class PopenProcess:
     """A child started by ProcessLauncher."""
 

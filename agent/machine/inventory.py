@@ -7,7 +7,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import psutil
 
@@ -57,46 +57,69 @@ class NvmlProbe:
         self._nvml = pynvml
 
     def gpus(self) -> list[Gpu]:
+        """The GPUs NVML answers for now. One that fails to answer (fallen off the bus, reset: NVML
+        errors such as GPU_IS_LOST) is left out and named in `note`, as a GPU the node does not have
+        now; a count that fails leaves none. Never raises: the state is asked on every heartbeat."""
         nv = self._nvml
-        out = []
-        for i in range(nv.nvmlDeviceGetCount()):
-            h = nv.nvmlDeviceGetHandleByIndex(i)
-            mem = nv.nvmlDeviceGetMemoryInfo(h)
-            name = nv.nvmlDeviceGetName(h)
-            uuid = nv.nvmlDeviceGetUUID(h)
+        out, lost = [], []
+        try:
+            count = int(nv.nvmlDeviceGetCount())
+        except nv.NVMLError as exc:
+            self.note = f"NVML could not count the GPUs: {exc}"
+            return []
+        for i in range(count):
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+                name = nv.nvmlDeviceGetName(h)
+                uuid = nv.nvmlDeviceGetUUID(h)
+            except nv.NVMLError as exc:
+                lost.append(f"GPU {i}: {exc}")
+                continue
             out.append(Gpu(i, name.decode() if isinstance(name, bytes) else name,
                            uuid.decode() if isinstance(uuid, bytes) else uuid, int(mem.total), int(mem.free)))
+        self.note = f"left out, NVML did not answer for them: {'; '.join(lost)}" if lost else ""
         return out
 
 
 class SimulatedGpus:
     """GPUs described in a JSON file, re-read on every request so a test can change free VRAM.
-    For tests and benchmarks only: the state says `"simulated": true`."""
+    For tests and benchmarks only: the state says `"simulated": true`.
+
+    They behave as NVML would: the file's free memory stands for what processes that are not
+    fleet's leave, and what this agent's own servers reserve on a GPU (`loaded`: uuid -> bytes,
+    wired to Workers.reserved by the agent) is taken off it as a loaded server's memory would be,
+    never below 0. A GPU removed from the file is gone from the next answer."""
 
     source = "simulated"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, loaded: Callable[[], Mapping[str, int]] | None = None) -> None:
         self.path = path
         self.note = f"simulated from {path}"
+        self.loaded = loaded
         self.gpus()  # fail at start, not at the first request
 
     def gpus(self) -> list[Gpu]:
         try:
             items = json.loads(self.path.read_text(encoding="utf-8"))
-            return [Gpu(index=i, name=str(g["name"]), uuid=str(g.get("uuid", f"GPU-simulated-{i}")),
-                        memory_total_bytes=int(g["memory_total_bytes"]),
-                        memory_free_bytes=int(g.get("memory_free_bytes", g["memory_total_bytes"])))
-                    for i, g in enumerate(items)]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            found = [Gpu(index=int(g.get("index", i)), name=str(g["name"]),
+                         uuid=str(g.get("uuid", f"GPU-simulated-{i}")),
+                         memory_total_bytes=int(g["memory_total_bytes"]),
+                         memory_free_bytes=int(g.get("memory_free_bytes", g["memory_total_bytes"])))
+                     for i, g in enumerate(items)]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"simulated GPU file {self.path}: {exc}; expected a JSON list of "
-                             '{"name", "memory_total_bytes", "memory_free_bytes"?, "uuid"?}') from exc
+                             '{"name", "memory_total_bytes", "memory_free_bytes"?, "uuid"?, "index"?}') from exc
+        held = self.loaded() if self.loaded is not None else {}
+        return [Gpu(g.index, g.name, g.uuid, g.memory_total_bytes, max(0, g.memory_free_bytes - held.get(g.uuid, 0)))
+                for g in found]
 
 
 def default_probe() -> GpuProbe:
     try:
         return NvmlProbe()
     except ImportError:
-        return NoGpus("NVML bindings not installed (pip install 'fleet[nvml]')")
+        return NoGpus("NVML bindings not installed (pip install 'inference-fleet[nvml]')")
     except Exception as exc:  # pynvml.NVMLError and friends: no driver, no device
         return NoGpus(f"NVML unavailable: {exc}")
 

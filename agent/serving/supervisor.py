@@ -6,6 +6,7 @@ served only as a stage of a pipeline, whose details the start carries."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import signal
@@ -18,13 +19,13 @@ import trio
 
 from wire.ids import split_server_id
 from wire.layers import LayerRange
-from wire.plan_details import PipelineDetails
-from wire.state import Integrity, PipelineInfo, ServerEntry, ServerExit, WeightsEntry
+from wire.plan_details import GpuShare, PipelineDetails
+from wire.state import GpuJson, Integrity, PipelineInfo, ServerEntry, ServerExit, WeightsEntry
 
 from agent.serving import registry
 from agent.auth import WORKER_CREDENTIAL_ENV, new_worker_credential
 from agent.backends.pipeline.spec import PIPELINE_KEY_ENV, check_details, group_key
-from agent.backends.launch import BadSettings, Launcher, LaunchSpec, Process
+from agent.backends.launch import BadSettings, Launcher, LaunchSpec, Process, gpu_environment
 from agent.weights.store import Store, WeightStore
 from agent.weights.unseal import Unsealer
 
@@ -33,6 +34,11 @@ DEFAULT_STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0
 TAIL_LINES = 40
 HEALTH_EVERY_S = 0.25
+GIB = 1 << 30
+# The states in which a server's process may hold GPU memory: what it reserved counts as fleet's
+# on its GPUs (the over-commit check, the simulated GPUs' free memory, the planner's ledger) until
+# its process has exited.
+HOLDING = ("starting", "running", "stopping")
 
 
 class Refused(Exception):
@@ -79,6 +85,8 @@ class Server:
     # What the worker asks of every request (agent/auth.py WorkerAuth), reported in the state so
     # that the router can send it: as private as the agent's API, which needs the cluster secret.
     credential: str = field(default="", repr=False)
+    gpus: list[GpuShare] = field(default_factory=list)  # the GPUs it was given, and what it reserved on each
+    env: dict[str, str] = field(default_factory=dict)  # added to its environment (CUDA_VISIBLE_DEVICES)
 
     def to_json(self) -> ServerEntry:
         out: ServerEntry = {"id": self.id, "state": self.state, "model": self.digest, "backend": self.backend,
@@ -87,6 +95,8 @@ class Server:
                             "reason": self.reason, "exit": self.exit, "credential": self.credential}
         if self.pipeline is not None:
             out["pipeline"] = self.pipeline
+        if self.gpus:
+            out["gpus"] = [{**g} for g in self.gpus]
         return out
 
 
@@ -118,6 +128,100 @@ def _refuse_corrupt(entry: WeightsEntry) -> None:
                                             "starts on it until it is fetched again from a good copy (fleet apply)")
 
 
+# What a start's `settings` may hold: schemas/plan.schema.json's $defs/settings (the planner's
+# ServerSettings, wire/plan_details.py), checked here as the plan file is checked there
+# (tests/unit/test_start_checks.py holds the two to the same verdicts).
+_POSITIVE_INTS = ("context_length", "threads", "batch_size", "tensor_parallel")
+SETTINGS_KEYS = (*_POSITIVE_INTS, "speculative", "startup_timeout_s")
+_SPECULATIVE_KEYS = ("mode", "draft", "draft_digest", "tokens")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad_settings(where: str, what: str) -> Refused:
+    return Refused(400, "bad_settings", f"{where}: {what}")
+
+
+def check_settings(value: Any) -> dict[str, Any]:
+    """A start's settings (absent or null: none), or Refused 400 `bad_settings` naming the place."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad_settings("settings", f"must be an object, not {type(value).__name__} {json_repr(value)}")
+    for key, item in value.items():
+        where = f"settings.{key}"
+        if key not in SETTINGS_KEYS:
+            raise _bad_settings(where, f"is not a setting (known: {', '.join(SETTINGS_KEYS)})")
+        if key in _POSITIVE_INTS and not (_is_int(item) and item >= 1):
+            raise _bad_settings(where, f"must be an integer of at least 1, not {json_repr(item)}")
+        if key == "startup_timeout_s" and not (isinstance(item, (int, float)) and not isinstance(item, bool)
+                                               and item > 0):
+            raise _bad_settings(where, f"must be a number above 0, not {json_repr(item)}")
+        if key == "speculative":
+            if not isinstance(item, dict):
+                raise _bad_settings(where, f"must be an object, not {json_repr(item)}")
+            for k in item:
+                if k not in _SPECULATIVE_KEYS:
+                    raise _bad_settings(f"{where}.{k}", f"is not a speculative setting (known: "
+                                                        f"{', '.join(_SPECULATIVE_KEYS)})")
+            if item.get("mode") not in ("draft", "prompt_lookup"):
+                raise _bad_settings(f"{where}.mode", f'must be "draft" or "prompt_lookup", not '
+                                                     f"{json_repr(item.get('mode'))}")
+            if "draft" in item and not (isinstance(item["draft"], str) and item["draft"]):
+                raise _bad_settings(f"{where}.draft", "must be a model name")
+            if "draft_digest" in item and not (isinstance(item["draft_digest"], str)
+                                               and _DIGEST.match(item["draft_digest"])):
+                raise _bad_settings(f"{where}.draft_digest", "must be a digest sha256:<64 hex>")
+            if "tokens" in item and not (_is_int(item["tokens"]) and item["tokens"] >= 1):
+                raise _bad_settings(f"{where}.tokens", f"must be an integer of at least 1, not "
+                                                       f"{json_repr(item['tokens'])}")
+    return value
+
+
+def json_repr(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_gpus(value: Any, present: Sequence[GpuJson]) -> list[GpuShare]:
+    """The GPUs a start names, as wire.plan_details.GpuShare: each an index this node's inventory
+    has now, with the uuid it has there (400 bad_gpus for a malformed list, 409 gpu_not_found for
+    a GPU the node does not have as named: the plan was made against another inventory)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise Refused(400, "bad_gpus", f"gpus must be a list of {{index, uuid, bytes}}, not {json_repr(value)}")
+    by_index = {g["index"]: g for g in present}
+    out: list[GpuShare] = []
+    for i, item in enumerate(value):
+        where = f"gpus[{i}]"
+        if not isinstance(item, dict) or set(item) != {"index", "uuid", "bytes"}:
+            raise Refused(400, "bad_gpus", f"{where} must be an object of exactly index, uuid and bytes, not "
+                                           f"{json_repr(item)}")
+        index, uuid, nbytes = item["index"], item["uuid"], item["bytes"]
+        if not (_is_int(index) and index >= 0) or not isinstance(uuid, str) or not (_is_int(nbytes) and nbytes >= 0):
+            raise Refused(400, "bad_gpus", f"{where}: index must be an integer of at least 0, uuid a string and "
+                                           f"bytes an integer of at least 0, not {json_repr(item)}")
+        if any(g["index"] == index or g["uuid"] == uuid for g in out):
+            raise Refused(400, "bad_gpus", f"{where}: GPU {index} ({uuid}) is named twice")
+        gpu = by_index.get(index)
+        if gpu is None:
+            have = ", ".join(f"{g['index']} ({g['uuid']})" for g in present) or "none"
+            raise Refused(409, "gpu_not_found", f"{where}: this node has no GPU {index} now (its GPUs: {have}); "
+                                                "plan again")
+        if gpu["uuid"] != uuid:
+            raise Refused(409, "gpu_not_found", f"{where}: GPU {index} of this node is {gpu['uuid']}, not {uuid} "
+                                                "(the GPUs were renumbered or replaced since the plan); plan again")
+        out.append({"index": index, "uuid": uuid, "bytes": nbytes})
+    return out
+
+
 class Workers:
     """The agent's table of servers, and the supervision of each one's process."""
 
@@ -134,6 +238,36 @@ class Workers:
         self.servers: dict[str, Server] = {}
         # Encrypted models are served from memory (agent/weights/unseal.py); a simulation's store holds none.
         self.unsealer = Unsealer(store, self.logs) if isinstance(store, Store) else None
+
+    def reserved(self) -> dict[str, int]:
+        """What this agent's servers reserve on each GPU, by uuid: those whose process may hold memory."""
+        out: dict[str, int] = {}
+        for s in self.servers.values():
+            if s.state in HOLDING:
+                for g in s.gpus:
+                    out[g["uuid"]] = out.get(g["uuid"], 0) + g["bytes"]
+        return out
+
+    def _refuse_overcommit(self, sid: str, shares: Sequence[GpuShare], present: Sequence[GpuJson]) -> None:
+        """A start whose reservation on a GPU, with what this agent's other servers reserve there,
+        exceeds what processes that are not fleet's leave of it (NVML's used memory less fleet's
+        reservations, never below 0): the sum the planner's ledger makes (reconciler/planning)."""
+        by_uuid = {g["uuid"]: g for g in present}
+        for share in shares:
+            gpu = by_uuid[share["uuid"]]
+            holders = [(s.id, g["bytes"]) for s in self.servers.values() if s.state in HOLDING and s.id != sid
+                       for g in s.gpus if g["uuid"] == share["uuid"]]
+            fleet = sum(b for _, b in holders)
+            total = gpu["memory_total_bytes"]
+            others = max(0, total - gpu["memory_free_bytes"] - fleet)
+            room = total - others - fleet
+            if share["bytes"] > room:
+                held = ", ".join(f"{h} {b / GIB:.2f} GiB" for h, b in holders) or "none"
+                raise Refused(409, "gpu_overcommitted",
+                              f"GPU {gpu['index']} ({gpu['uuid']}, {gpu['name']}) cannot take "
+                              f"{share['bytes'] / GIB:.2f} GiB for {sid}: of its {total / GIB:.2f} GiB, fleet's servers reserve "
+                              f"{fleet / GIB:.2f} GiB ({held}) and processes that are not fleet's hold "
+                              f"{others / GIB:.2f} GiB, leaving {max(0, room) / GIB:.2f} GiB; plan again")
 
     async def model_corrupt(self, digest: str, found: Integrity) -> None:
         """A held model was found corrupt (agent/weights/verify.py): every server on it (served, or
@@ -192,7 +326,9 @@ class Workers:
                                                           f"pipeline {details['group']} serves layers {wanted}")
         return entry
 
-    def start(self, body: dict[str, Any]) -> Server:
+    def start(self, body: dict[str, Any], present: Sequence[GpuJson] = ()) -> Server:
+        """Start the server `body` describes (POST /v1/servers); `present`: the node's GPUs measured
+        now, against which the GPUs it names are checked and reserved."""
         sid = body.get("id")
         if not isinstance(sid, str) or not ID_RE.match(sid):
             raise Refused(400, "bad_request", "id must be 1-128 letters, digits, '.', '_', '@' or '-'")
@@ -205,9 +341,16 @@ class Workers:
         if not isinstance(port, int) or not 0 < port < 65536:
             raise Refused(400, "bad_request", "port must be an integer 1-65535")
         host = body.get("host") or self.default_host
-        settings = body.get("settings") or {}
-        if not isinstance(settings, dict):
-            raise Refused(400, "bad_request", "settings must be an object")
+        settings = body.get("settings")
+        settings = {} if settings is None else settings
+        if not isinstance(settings, dict):  # POST /v1/servers checks them whole first (check_settings)
+            raise Refused(400, "bad_settings", f"settings must be an object, not {json_repr(settings)}")
+        shares = check_gpus(body.get("gpus"), present)
+        tensor_parallel = settings.get("tensor_parallel")
+        if shares and tensor_parallel is not None and tensor_parallel != len(shares):
+            raise Refused(400, "bad_gpus", f"settings.tensor_parallel is {tensor_parallel} but gpus names "
+                                           f"{len(shares)} GPU(s): a server is split over exactly its GPUs")
+        self._refuse_overcommit(sid, shares, present)
         details = None
         if body.get("pipeline") is not None:
             try:
@@ -230,7 +373,7 @@ class Workers:
         if missing:
             raise Refused(409, "backend_not_installed",
                           f"the {spec.name} backend needs {', '.join(missing)}, not installed on this node: "
-                          f"pip install 'fleet[{spec.extra}]'")
+                          f"pip install 'inference-fleet[{spec.extra}]'")
         problem = self.launcher.port_problem(host, port)
         if problem:
             raise Refused(409, "port_unavailable", f"port {port} on {host} is {problem}; another server or "
@@ -239,6 +382,9 @@ class Workers:
         # The engine names its model by the cluster (the id's first part), never by a store path, so
         # neither /v1/models nor a chunk's `model` shows a path, even to someone on the worker's port.
         launch_settings = {**settings, "served_name": split_server_id(sid)[0]}
+        if shares:  # the engine's own options for its GPUs: each one's free memory now, in the given order
+            free = {g["uuid"]: g["memory_free_bytes"] for g in present}
+            launch_settings["gpus"] = [{**g, "free_bytes": free[g["uuid"]]} for g in shares]
         if details is not None:
             rdv = details["rendezvous"]
             problem = self.launcher.port_problem(rdv["address"], rdv["port"]) if details["rank"] == 0 else None
@@ -258,7 +404,8 @@ class Workers:
         log.write_bytes(b"")
         reason_file.unlink(missing_ok=True)
         server = Server(sid, digest, spec.name, host, port, settings, command.speculative, list(command.argv), log,
-                        credential=new_worker_credential())
+                        credential=new_worker_credential(), gpus=shares,
+                        env=gpu_environment(shares, tensor_parallel is not None))
         if details is not None:
             server.pipeline = {"group": details["group"], "rank": details["rank"], "world_size": details["world_size"]}
             server.reason_file = reason_file
@@ -282,7 +429,7 @@ class Workers:
             return
         timeout = float(server.settings.get("startup_timeout_s") or DEFAULT_STARTUP_TIMEOUT_S)
         try:
-            proc = self.launcher.launch(server.argv, server.log, {**self._stage_env(server),
+            proc = self.launcher.launch(server.argv, server.log, {**server.env, **self._stage_env(server),
                                                                   WORKER_CREDENTIAL_ENV: server.credential}, keep_fds)
         except OSError as exc:
             server.state, server.reason = "failed", f"could not start {server.argv[0]}: {exc}"

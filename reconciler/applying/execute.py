@@ -301,6 +301,8 @@ class Executor:
                 "settings": d["settings"]}
         if "pipeline" in d:  # a stage: the agent hands its place in the group to the stage worker
             body["pipeline"] = d["pipeline"]
+        if "gpus" in d:  # the GPUs the plan gave it: the agent shows the worker exactly these
+            body["gpus"] = d["gpus"]
         retried = tally.retries
         answer: dict[str, Any] | None = None
         try:

@@ -83,3 +83,36 @@ def test_each_format_has_its_engine() -> None:
     assert for_format("safetensors") is BACKENDS["torch"]
     assert for_format("onnx") is None
     assert {spec.health for spec in BACKENDS.values()} == {"/v1/models", "/health"}
+
+
+GPU_A = {"index": 1, "uuid": "GPU-aaaa", "bytes": 6 << 30, "free_bytes": 30 << 30}
+GPU_B = {"index": 0, "uuid": "GPU-bbbb", "bytes": 6 << 30, "free_bytes": 10 << 30}
+
+
+def test_llama_cpp_offloads_to_its_gpus_and_splits_by_their_free_memory() -> None:
+    one = BACKENDS["llama_cpp"].command(MODEL, HOST, PORT, {"gpus": [GPU_A]}, paths)
+    assert list(one.argv)[9:] == ["--n_gpu_layers", "-1", "--main_gpu", "0"]  # GPU 0: the first it sees
+    two = BACKENDS["llama_cpp"].command(MODEL, HOST, PORT, {"tensor_parallel": 2, "gpus": [GPU_A, GPU_B]}, paths)
+    assert list(two.argv)[9:] == ["--n_gpu_layers", "-1", "--main_gpu", "0", "--tensor_split", "0.7500", "0.2500"]
+
+
+def test_llama_cpp_tensor_split_parses_as_the_engine_reads_it() -> None:
+    """The argv through llama-cpp-python's own argument reader (the worker's): a list of floats."""
+    llama_cli = pytest.importorskip("llama_cpp.server.cli")
+    from llama_cpp.server.settings import ModelSettings
+
+    argv = list(BACKENDS["llama_cpp"].command(MODEL, HOST, PORT, {"gpus": [GPU_A, GPU_B, GPU_B]}, paths).argv)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    llama_cli.add_args_from_model(parser, ModelSettings)
+    args, _ = parser.parse_known_args(argv[3:])
+    assert args.tensor_split == [0.6, 0.2, 0.2] and args.main_gpu == 0 and args.n_gpu_layers == -1
+
+
+def test_torch_on_one_gpu_and_spread_over_several_by_their_reservations() -> None:
+    one = BACKENDS["torch"].command(MODEL, HOST, PORT, {"gpus": [GPU_A]}, paths)
+    assert list(one.argv)[9:] == ["--device", "cuda"]
+    two = BACKENDS["torch"].command(MODEL, HOST, PORT, {"tensor_parallel": 2, "gpus": [GPU_A, GPU_B]}, paths)
+    assert list(two.argv)[9:] == ["--device", "cuda", "--gpu-memory", f"{6 << 30},{6 << 30}"]
+

@@ -22,6 +22,15 @@ def worker_module() -> str:
     return WORKERS[chosen]
 
 
+def split_fractions(free: list[int]) -> list[str]:
+    """llama.cpp's --tensor_split: each GPU's share, in proportion to its free memory (equal shares
+    where none reports any), written with 4 decimals (llama.cpp normalises them)."""
+    total = sum(max(0, f) for f in free)
+    if total <= 0:
+        return [f"{1 / len(free):.4f}"] * len(free)
+    return [f"{max(0, f) / total:.4f}" for f in free]
+
+
 def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPath) -> Command:
     module = worker_module()
     argv = [sys.executable, "-m", module, "--model", path, "--host", host, "--port", str(port)]
@@ -35,8 +44,13 @@ def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPat
         argv += ["--n_batch", str(s["batch_size"])]
     if s.get("parallel") and module == WORKERS["batched"]:  # sequences decoded together (default: what fits)
         argv += ["--parallel", str(s["parallel"])]
-    if isinstance(s.get("tensor_parallel"), int) and s["tensor_parallel"] > 0:
-        argv += ["--n_gpu_layers", "-1"]
+    gpus = s.get("gpus") or []
+    if gpus:  # the worker sees exactly these (CUDA_VISIBLE_DEVICES), numbered 0..N-1 in this order
+        argv += ["--n_gpu_layers", "-1", "--main_gpu", "0"]
+        if len(gpus) > 1:  # the layers split in proportion to each GPU's free memory at the start
+            argv += ["--tensor_split", *split_fractions([int(g["free_bytes"]) for g in gpus])]
+    elif isinstance(s.get("tensor_parallel"), int) and s["tensor_parallel"] > 0:
+        argv += ["--n_gpu_layers", "-1"]  # a start naming no GPUs (an older control plane): all offloaded
     spec = s.get("speculative")
     speculative = None
     if spec:

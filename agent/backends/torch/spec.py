@@ -17,8 +17,16 @@ def command(path: str, host: str, port: int, s: dict[str, Any], paths: ModelPath
         argv += ["--context-length", str(s["context_length"])]
     if s.get("threads"):
         argv += ["--threads", str(s["threads"])]
-    if isinstance(s.get("tensor_parallel"), int) and s["tensor_parallel"] > 0:
-        argv += ["--device", "cuda"]  # the plan gave it GPUs: a build that cannot use them fails, not runs slow
+    gpus = s.get("gpus") or []
+    if gpus:
+        # The plan gave it GPUs: a build that cannot use them fails, not runs slow. The worker sees
+        # exactly these (CUDA_VISIBLE_DEVICES) and, given more than one, spreads the model over them
+        # with transformers' device_map, each GPU holding at most what was reserved on it.
+        argv += ["--device", "cuda"]
+        if len(gpus) > 1:
+            argv += ["--gpu-memory", ",".join(str(int(g["bytes"])) for g in gpus)]
+    elif isinstance(s.get("tensor_parallel"), int) and s["tensor_parallel"] > 0:
+        argv += ["--device", "cuda"]  # a start naming no GPUs (an older control plane)
     spec = s.get("speculative")
     speculative = None
     if spec:

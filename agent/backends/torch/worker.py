@@ -58,7 +58,7 @@ class Served:
     def __init__(self, model_dir: str, threads: int | None = None, context_length: int | None = None,
                  draft: str | None = None, prompt_lookup: int | None = None, dtype: str = "auto",
                  max_batch: int = 16, stream_buffer: int = STREAM_BUFFER, device: str = "auto",
-                 prefix_cache: int = PREFIX_TOKENS) -> None:
+                 prefix_cache: int = PREFIX_TOKENS, gpu_memory: list[int] | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -72,22 +72,33 @@ class Served:
                              f"{torch.__version__} is {build} and sees no CUDA device. Install a CUDA build "
                              "of torch matching the driver (pip install torch --index-url "
                              "https://download.pytorch.org/whl/cu128), or set no tensor_parallel to serve on the CPU")
+        spread = device == "cuda" and gpu_memory is not None and len(gpu_memory) > 1
+        if spread and torch.cuda.device_count() < len(gpu_memory or ()):
+            raise SystemExit(f"this server was given {len(gpu_memory or ())} GPUs, but torch sees "
+                             f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES="
+                             f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})")
         self.device = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
         # CPUs without bfloat16 arithmetic run a bf16 model several times slower than in float32.
         chosen = "float32" if dtype == "auto" and self.device.type == "cpu" else dtype
         kwargs: dict[str, Any] = {"local_files_only": True, "dtype": "auto" if chosen == "auto" else getattr(torch, chosen)}
+        placed: dict[str, Any] = {}
+        if spread:
+            # The model spread over exactly the GPUs this server sees (CUDA_VISIBLE_DEVICES: its own,
+            # numbered 0..N-1), layer by layer, each holding at most what was reserved for it there;
+            # "balanced" evens the layers out, so every GPU keeps room for its share of the KV cache.
+            placed = {"device_map": "balanced", "max_memory": dict(enumerate(gpu_memory or ()))}
         self.name = model_dir  # like llama.cpp, the engine names the model by its path
         self.created = int(time.time())
         self.stream_buffer = stream_buffer
         self.tokenizer: Any = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True, **kwargs)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True, **kwargs, **placed)
         model, info = loaded
         missing = sorted(info.get("missing_keys") or [])
         if missing:
             # transformers would fill these with random values and serve garbage without a word.
             raise SystemExit(f"{model_dir}: the weights lack {len(missing)} tensor(s) the model needs: "
                              + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
-        self.model = model.to(self.device).eval()
+        self.model = (model if placed else model.to(self.device)).eval()  # spread: placed by device_map
         try:
             stack = Stack(self.model)
         except Unsupported as exc:  # said in one line, as a load failure is (the agent keeps it as the reason)
@@ -282,6 +293,9 @@ def main() -> None:
                     help="weights' dtype in memory; auto: float32 on CPU, the checkpoint's own on a GPU")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="auto: a GPU when torch sees one; cuda: fail at load when it does not")
+    ap.add_argument("--gpu-memory", type=lambda v: [int(b) for b in v.split(",")],
+                    help="BYTES,BYTES,...: with --device cuda, spread the model over that many visible GPUs, "
+                         "each holding at most its figure (transformers' device_map)")
     ap.add_argument("--max-batch", type=int, default=16, help="requests decoded together (more wait their turn)")
     ap.add_argument("--prefix-cache", type=int, default=PREFIX_TOKENS,
                     help="prompt tokens whose keys and values are kept for prompts that begin alike (0: none)")
@@ -290,7 +304,8 @@ def main() -> None:
     args = ap.parse_args()
     guard_worker()  # it will hold an encrypted model's plaintext: closed to the other workers
     served = Served(args.model, args.threads, args.context_length, args.draft, args.prompt_lookup, args.dtype,
-                    args.max_batch, args.stream_buffer, args.device, args.prefix_cache)  # fails here, loudly
+                    args.max_batch, args.stream_buffer, args.device, args.prefix_cache,
+                    args.gpu_memory)  # fails here, loudly
     served.name = args.served_name or served.name
     print(json.dumps({"event": "loaded", "model": args.model, "device": str(served.device),
                       "dtype": str(served.model.dtype).removeprefix("torch."),
