@@ -168,12 +168,62 @@ def make_slice(full: dict[str, Any], full_digest: str, layers: LayerRange) -> di
             "files": sorted(aux + [assembled], key=lambda f: f["path"])}
 
 
+def adapter_block(config: Any, *, stored: bool = False) -> dict[str, Any]:
+    """What a PEFT adapter's manifest says of it (`adapter`): the base it was made on (as its
+    adapter_config.json names it), the modules it adapts, its rank and alpha; from the config found
+    at import, or (`stored`) checked as a manifest holds it. ManifestError when it is no LoRA adapter."""
+    if not isinstance(config, dict):
+        raise ManifestError("adapter_config.json is not a JSON object")
+    if not stored and config.get("peft_type") != "LORA":
+        raise ManifestError(f"peft_type is {str(config.get('peft_type'))[:40]!r}: only LoRA adapters are merged")
+    base = config.get("base_model" if stored else "base_model_name_or_path")
+    modules = config.get("target_modules")
+    if isinstance(modules, str):  # PEFT's regular expression form
+        modules = [modules]
+    rank, alpha = config.get("rank" if stored else "r"), config.get("alpha" if stored else "lora_alpha")
+    if base is not None and not (isinstance(base, str) and len(base) <= 1024):
+        raise ManifestError("base_model_name_or_path must be a string of at most 1,024 characters")
+    if not (isinstance(modules, list) and 0 < len(modules) <= 1024
+            and all(isinstance(m, str) and 0 < len(m) <= 256 for m in modules)):
+        raise ManifestError("target_modules must name 1-1,024 modules")
+    for what, v in (("r" if not stored else "rank", rank), ("lora_alpha" if not stored else "alpha", alpha)):
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1 << 20):
+            raise ManifestError(f"{what} must be a positive number")
+    return {"base_model": base, "target_modules": sorted(modules), "rank": rank, "alpha": alpha}
+
+
+def adapter_base_problem(adapter: dict[str, Any], base: dict[str, Any]) -> str | None:
+    """Why the LoRA adapter of manifest `adapter` cannot be merged into the model of manifest `base`
+    (None: it can): each lora_A/lora_B pair must adapt a weight the base has, of the shape it fits
+    (A: rank x in_features, B: out_features x rank). Pure: from the two manifests alone."""
+    if base.get("format") != "safetensors":
+        return f"the base is {base.get('format')}, not a safetensors model"
+    shapes = {t["name"]: t["shape"] for f in base["files"] for t in f.get("tensors", ())}
+    for f in adapter["files"]:
+        for t in f.get("tensors", ()):
+            name, shape = str(t["name"]), t["shape"]
+            part = ".lora_A." if ".lora_A." in name else ".lora_B." if ".lora_B." in name else None
+            if part is None or len(shape) != 2:
+                continue
+            target = name.split(part)[0].removeprefix("base_model.model.") + ".weight"
+            have = shapes.get(target)
+            if have is None:
+                return f"it adapts {target}, which the base does not have"
+            want = have[1] if part == ".lora_A." else have[0]
+            got = shape[1] if part == ".lora_A." else shape[0]
+            if len(have) != 2 or got != want:
+                return (f"its {name} {shape} does not fit the base's {target} {have}")
+    return None
+
+
 def validate(manifest: Any) -> dict[str, Any]:
     """Check a manifest from a peer before acting on it: shapes, hex digests, safe paths."""
     if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
         raise ManifestError("not a version-1 manifest")
-    if manifest.get("format") not in ("safetensors", "gguf"):
+    if manifest.get("format") not in ("safetensors", "gguf", "peft"):
         raise ManifestError(f"unknown model format {str(manifest.get('format'))[:40]!r}")
+    if manifest["format"] == "peft":
+        adapter_block(manifest.get("adapter"), stored=True)
     how = manifest.get("encryption")
     if how is not None and (not isinstance(how, dict) or how.get("cipher") != ENCRYPTION_CIPHER
                             or not isinstance(how.get("key_id"), str) or not isinstance(how.get("chunk_bytes"), int)):

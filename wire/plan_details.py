@@ -37,6 +37,11 @@ class Speculative(TypedDict):
     tokens: NotRequired[int]
 
 
+class Adapter(TypedDict):
+    name: str  # the adapter's model name in fleet.yaml
+    digest: str
+
+
 class ServerSettings(TypedDict, total=False):
     """Settings resolved for one node (tensor_parallel "auto" is already a number): only those set,
     in this order; the planner always writes startup_timeout_s, last."""
@@ -46,6 +51,7 @@ class ServerSettings(TypedDict, total=False):
     batch_size: int
     tensor_parallel: int
     speculative: Speculative
+    adapter: Adapter  # a LoRA adapter merged into the model at load
     startup_timeout_s: float
 
 

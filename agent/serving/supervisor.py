@@ -120,6 +120,11 @@ def _told(path: Path | None) -> str | None:
     return text.splitlines()[0][:2000] if text else None
 
 
+def _also_loaded(server: Server) -> tuple[Any, ...]:
+    """The digests a server loads besides its model: its draft model, its LoRA adapter."""
+    return ((server.speculative or {}).get("draft_digest"), (server.settings.get("adapter") or {}).get("digest"))
+
+
 def _refuse_corrupt(entry: WeightsEntry) -> None:
     integrity = entry.get("integrity")
     if integrity is not None and integrity["state"] == "corrupt":
@@ -132,7 +137,7 @@ def _refuse_corrupt(entry: WeightsEntry) -> None:
 # ServerSettings, wire/plan_details.py), checked here as the plan file is checked there
 # (tests/unit/test_start_checks.py holds the two to the same verdicts).
 _POSITIVE_INTS = ("context_length", "threads", "batch_size", "tensor_parallel")
-SETTINGS_KEYS = (*_POSITIVE_INTS, "speculative", "startup_timeout_s")
+SETTINGS_KEYS = (*_POSITIVE_INTS, "speculative", "adapter", "startup_timeout_s")
 _SPECULATIVE_KEYS = ("mode", "draft", "draft_digest", "tokens")
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 
@@ -160,6 +165,11 @@ def check_settings(value: Any) -> dict[str, Any]:
         if key == "startup_timeout_s" and not (isinstance(item, (int, float)) and not isinstance(item, bool)
                                                and item > 0):
             raise _bad_settings(where, f"must be a number above 0, not {json_repr(item)}")
+        if key == "adapter" and not (isinstance(item, dict) and set(item) == {"name", "digest"}
+                                     and isinstance(item["name"], str) and item["name"]
+                                     and isinstance(item["digest"], str) and _DIGEST.match(item["digest"])):
+            raise _bad_settings(where, f"must be an object of exactly name and digest (sha256:<64 hex>), not "
+                                       f"{json_repr(item)}")
         if key == "speculative":
             if not isinstance(item, dict):
                 raise _bad_settings(where, f"must be an object, not {json_repr(item)}")
@@ -281,7 +291,7 @@ class Workers:
                   "corrupt copy, and starts again once the model is fetched again (fleet apply)")
         for server in list(self.servers.values()):
             if server.state in ("starting", "running") and (
-                    server.digest == digest or (server.speculative or {}).get("draft_digest") == digest):
+                    server.digest == digest or digest in _also_loaded(server)):
                 server.state, server.reason = "failed", reason
                 if server.proc is not None and server.proc.poll() is None:
                     server.proc.kill()  # its supervisor reaps it and keeps the reason (and adds the log's tail)
@@ -289,7 +299,7 @@ class Workers:
     def using(self, digest: str) -> str | None:
         for s in self.servers.values():
             if s.state in ("starting", "running", "stopping") and (
-                    s.digest == digest or (s.speculative or {}).get("draft_digest") == digest):
+                    s.digest == digest or digest in _also_loaded(s)):
                 return s.id
         return None
 
@@ -369,6 +379,15 @@ class Workers:
                 raise Refused(409, "format_not_served", f"model {digest} is stored as {entry['format']}, which no "
                                                         "backend of this agent serves")
             spec = found
+        adapter = settings.get("adapter")
+        if isinstance(adapter, dict):  # a LoRA adapter, merged at load: PyTorch's servers of whole models only
+            if spec.format != "safetensors" or details is not None:
+                raise Refused(409, "adapter_unsupported", f"model {digest} is served by the {spec.name} backend"
+                                                          f"{' as a pipeline stage' if details else ''}, which merges "
+                                                          "no LoRA adapter (only whole safetensors models do)")
+            if self._model(str(adapter["digest"]), "adapter")["format"] != "peft":
+                raise Refused(409, "not_an_adapter", f"adapter {adapter['digest']} is held here, but as a model, "
+                                                     "not a PEFT adapter")
         missing = self.launcher.missing(spec.modules)
         if missing:
             raise Refused(409, "backend_not_installed",

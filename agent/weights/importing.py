@@ -29,7 +29,7 @@ _SKIP_DIRS = {".git", ".cache", "__pycache__"}
 
 class ImportRefused(StoreError):
     """A model directory or file refused, with a stable code: symlink_outside_model,
-    not_a_regular_file, invalid_json, invalid_safetensors, invalid_gguf."""
+    not_a_regular_file, invalid_json, invalid_safetensors, invalid_gguf, invalid_adapter."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -122,14 +122,20 @@ def import_model(store: Store, src: Path, name: str, *, link: bool = False,
     except FileNotFoundError:
         raise StoreError(f"{src} does not exist") from None
     layers = None
+    adapter: dict[str, Any] = {}
     tensors: dict[str, list[dict[str, Any]]] = {}
     if stat.S_ISDIR(st.st_mode):
         found = _model_files(src)
         rels = [rel for rel, _, _ in found]
-        if "config.json" not in rels or not any(r.endswith(".safetensors") for r in rels):
+        peft = "config.json" not in rels and "adapter_config.json" in rels
+        if peft and "adapter_model.safetensors" not in rels:
+            raise StoreError(f"{src} is a PEFT adapter without adapter_model.safetensors (a pickled "
+                             "adapter_model.bin is never imported: save it with safe_serialization)")
+        if not peft and ("config.json" not in rels or not any(r.endswith(".safetensors") for r in rels)):
             raise StoreError(f"{src} is not a safetensors model directory (it needs config.json and "
-                             "*.safetensors files)")
-        fmt = "safetensors"
+                             "*.safetensors files) nor a PEFT adapter (adapter_config.json and "
+                             "adapter_model.safetensors)")
+        fmt = "peft" if peft else "safetensors"
         # Every header checked before a byte is copied: a bad last shard is found at once.
         for rel, path, seen in found:
             if rel == "config.json":
@@ -139,6 +145,14 @@ def import_model(store: Store, src: Path, name: str, *, link: bool = False,
                     except HeaderError as exc:
                         raise _checked(exc) from None
                 layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
+            elif peft and rel == "adapter_config.json":
+                with _open(path, seen) as fh:
+                    try:
+                        adapter = mf.adapter_block(load_json(fh, src / rel))
+                    except HeaderError as exc:
+                        raise _checked(exc) from None
+                    except mf.ManifestError as exc:
+                        raise ImportRefused("invalid_adapter", f"{src / rel}: {exc}") from None
             elif rel.endswith(".safetensors"):
                 with _open(path, seen) as fh:
                     try:
@@ -166,6 +180,8 @@ def import_model(store: Store, src: Path, name: str, *, link: bool = False,
         blobs[rel] = stored
     manifest = {"version": mf.MANIFEST_VERSION, "format": fmt, "layers": layers, "slice": None,
                 "files": entries}
+    if fmt == "peft":
+        manifest["adapter"] = adapter
     if encrypt and store.key is not None:
         manifest["encryption"] = manifest_block(store.key)
     digest = mf.digest_of(manifest)

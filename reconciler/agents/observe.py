@@ -130,7 +130,11 @@ async def observe(desired: Desired, client: AgentClient, *, concurrency: int = D
             nursery.start_soon(worker)
 
     fetched = {} if manifests is None else manifests
-    sliced = sorted({desired.models[r.model] for r in desired.replicas if r.layers is not None}, key=lambda m: m.name)
+    # Manifests the planner reads: the full models slices are cut from, and each LoRA adapter and
+    # its base (whether the one fits the other: reconciler/planning/planner.py adapter_misfit).
+    sliced = sorted({desired.models[r.model] for r in desired.replicas if r.layers is not None} | {
+        desired.models[name] for c in desired.clusters.values() if c.adapter in desired.models
+        for name in (c.model, c.adapter)}, key=lambda m: m.name)
     for m in sliced:
         if m.digest in fetched:
             continue

@@ -162,6 +162,10 @@ def print_plan(out: Console, plan: Any) -> None:
             given = gpus_given(c.details)
             if given is not None:
                 lines.append(f"      [dim]{escape(given)}[/]")
+            adapter = (c.details.get("settings") or {}).get("adapter") if "server_id" in c.details else None
+            if isinstance(adapter, dict):  # a LoRA adapter merged at load
+                lines.append(f"      [dim]adapter {escape(str(adapter['name']))} ({escape(str(adapter['digest']))})"
+                             " merged at load[/]")
         gpus = gpu_lines(plan)
         if gpus:  # every GPU of the nodes this plan reserves on: what holds it, what the plan adds
             lines += ["", "GPUs of the nodes this plan starts servers on:"]

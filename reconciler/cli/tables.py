@@ -96,6 +96,13 @@ def _columns(name: str, seen: ObservedNode | None, spec: NodeSpec | None, wide: 
     return row
 
 
+def _adapter(seen: ObservedNode | None, sid: str) -> str:
+    """" +adapter NAME" for a server that merges a LoRA adapter, as its agent reports its settings."""
+    server = seen.servers.get(sid) if seen is not None else None
+    adapter = (server.settings.get("adapter") if server is not None else None) or {}
+    return f" +adapter {adapter.get('name')}" if isinstance(adapter, dict) and adapter.get("name") else ""
+
+
 def cmd_nodes(args: argparse.Namespace, path: str) -> int:
     from rich.table import Table
 
@@ -118,7 +125,8 @@ def cmd_nodes(args: argparse.Namespace, path: str) -> int:
         # The last state a node reported is kept while it is offline: shown for what it held.
         seen = node_from_state(n["name"], n["state"]) if n["state"] else None
         gpus, models, *wide = _columns(n["name"], seen, specs.get(n["name"]), args.wide, specs)
-        servers = ", ".join(f"{r['cluster']}:{r['state']}" for r in rows if r["node"] == n["name"])
+        servers = ", ".join(f"{r['cluster']}:{r['state']}" + (_adapter(seen, r["id"]) if args.wide else "")
+                            for r in rows if r["node"] == n["name"])
         table.add_row(n["name"], n["status"], n["last_seen"] or "never", gpus, models, servers or "-", *wide)
         if n["error"]:
             failures.append(f"{n['name']}: {n['error']}")

@@ -34,7 +34,7 @@ class NodeSpec:
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     name: str
-    format: Literal["safetensors", "gguf"]
+    format: Literal["safetensors", "gguf", "peft"]  # peft: a LoRA adapter, served only as a cluster's adapter
     digest: str
     source: str
     encrypted: bool = False
@@ -102,6 +102,7 @@ class ClusterSpec:
     settings: Settings = field(default_factory=Settings)
     pipeline: PipelineSpec | None = None  # None: every member serves the whole model
     placement: Placement | None = None  # members chosen by the planner: `members` is then () in fleet.yaml's Desired
+    adapter: str | None = None  # a model of format peft, merged into `model` at load by each member
 
 
 @dataclass(frozen=True, slots=True)

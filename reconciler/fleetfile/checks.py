@@ -198,6 +198,8 @@ class Checker:
             model_name = cluster["model"]
             known = self.model_ref(model_name, base + ("model",), f"cluster {cname!r}")
             self.check_gpus(cname, cluster)
+            if known:
+                self.check_adapter(cname, cluster, holders)
             if isinstance(cluster["members"], dict):
                 self.check_placement(cname, cluster)
                 self.check_speculative(cname, cluster, holders)
@@ -228,6 +230,40 @@ class Checker:
             if known and cluster.get("pipeline", False) is not False:
                 self.check_pipeline(cname, cluster, bound)
             self.check_speculative(cname, cluster, holders)
+
+    def check_adapter(self, cname: str, cluster: dict[str, Any], holders: dict[str, set[str]]) -> None:
+        """A cluster's LoRA adapter: a peft model, on a safetensors model served whole, held by every
+        member listed. (Whether it fits its base is known from the two manifests: the planner checks.)"""
+        base: YamlPath = ("clusters", cname)
+        model_name, adapter = cluster["model"], cluster.get("adapter")
+        if self.models[model_name]["format"] == "peft":
+            self.add("model_is_adapter", base + ("model",), f"cluster {cname!r} serves {model_name!r}, which is a "
+                     "LoRA adapter (format peft), not a model", f"Serve its base model, with adapter: {model_name}.")
+            return
+        if adapter is None or not self.model_ref(adapter, base + ("adapter",), f"the adapter of cluster {cname!r}"):
+            return
+        if self.models[adapter]["format"] != "peft":
+            self.add("not_an_adapter", base + ("adapter",), f"the adapter of cluster {cname!r}, {adapter!r}, is a "
+                     f"{self.models[adapter]['format']} model, not a LoRA adapter (format peft)")
+            return
+        if self.models[model_name]["format"] == "gguf":
+            self.add("adapter_gguf_unsupported", base + ("adapter",),
+                     f"cluster {cname!r} serves GGUF model {model_name!r} with adapter {adapter!r}: a PEFT adapter "
+                     "is merged only by PyTorch servers of safetensors models",
+                     "Serve the safetensors form of the base with this adapter (llama.cpp would need it converted "
+                     "to a GGUF LoRA).")
+            return
+        if cluster.get("pipeline", False) is not False:
+            self.add("adapter_pipeline_unsupported", base + ("adapter",),
+                     f"cluster {cname!r} is a pipeline: its stages do not merge adapter {adapter!r} yet",
+                     "Serve the model whole on each member with this adapter.")
+            return
+        for i, member in enumerate(listed(cluster)):
+            if member in self.nodes and member not in holders.get(adapter, set()) \
+                    and member != self.models[adapter]["source"]:
+                self.add("adapter_not_replicated", base + ("members", i),
+                         f"{member!r} runs cluster {cname!r} with adapter {adapter!r} but holds no replica of it",
+                         f"Add {member!r} to replicas.{adapter}.")
 
     def check_gpus(self, cname: str, cluster: dict[str, Any]) -> None:
         """settings.gpus: per-member keys name members (or candidates); with tensor_parallel N, N GPUs."""

@@ -105,7 +105,8 @@ def _build(data: dict[str, Any], layers: dict[tuple[str, int], LayerRange], ca_f
             placement = Placement(int(members["count"]), tuple(members.get("nodes", ())),
                                   tuple(sorted(members.get("labels", {}).items())))
         clusters[name] = ClusterSpec(name=name, model=c["model"], members=tuple(members) if placement is None else (),
-                                     port=c["port"], settings=settings, pipeline=pipeline, placement=placement)
+                                     port=c["port"], settings=settings, pipeline=pipeline, placement=placement,
+                                     adapter=c.get("adapter"))
     return Desired(version=data["version"],
                    control_plane=ControlPlaneSpec(node=cp["node"], listen=cp.get("listen", DEFAULT_LISTEN),
                                                   api_keys_env=cp.get("api_keys_env"),

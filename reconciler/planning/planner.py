@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from wire import manifest as mf
 from wire.ids import replica_address, server_address, server_id, split_server_id
 from wire.plan_details import (DeleteDetails, ReplaceDetails, RunningServer, ServerSettings, Speculative,
                                StartDetails, StopDetails)
@@ -136,14 +137,39 @@ class _Planner:
                 self.diags.append(warning("speculative_remote_unvalidated",
                                           f"speculative decoding on remote node {node!r} is not validated",
                                           address=address))
+        if c.adapter is not None:
+            out["adapter"] = {"name": c.adapter, "digest": self.d.models[c.adapter].digest}
         out["startup_timeout_s"] = s.startup_timeout_s
         return out
+
+    def adapter_misfit(self, c: ClusterSpec, model: ModelSpec) -> bool:
+        """A cluster whose LoRA adapter does not fit its model, by the two manifests the agents
+        reported (its tensors against the base's): a plan error naming both digests. Unknown (a
+        manifest not reported yet): planned, and the worker's merge says so if it does not fit."""
+        if c.adapter is None:
+            return False
+        adapter = self.d.models[c.adapter]
+        am, bm = self.o.manifests.get(adapter.digest), self.o.manifests.get(model.digest)
+        if am is None or bm is None:
+            return False
+        why = mf.adapter_base_problem(am, bm)
+        if why is None:
+            return False
+        named = (am.get("adapter") or {}).get("base_model")
+        self.diags.append(error(
+            "adapter_base_mismatch", f"adapter {adapter.name!r} ({adapter.digest}) does not fit model {model.name!r} "
+            f"({model.digest}) of cluster {c.name!r}: {why}",
+            f"It was made on {named!r}." if named else "", address=f"clusters.{c.name}.adapter"))
+        return True
 
     def servers(self, wants: dict[str, dict[str, Want]]) -> set[tuple[str, str]]:
         desired_ids: set[tuple[str, str]] = set()
         replicating = {ch.address for ch in self.changes if ch.action is Action.REPLICATE or "peer" in ch.details}
         for c in self.d.clusters.values():
             model = self.d.models[c.model]
+            if self.adapter_misfit(c, model):
+                desired_ids |= {(node, server_id(c.name, node)) for node in c.members}  # left as they run
+                continue
             if c.pipeline is not None:
                 desired_ids |= self.pipeline(c, model, wants, replicating)
                 continue
@@ -171,8 +197,9 @@ class _Planner:
                 details = StartDetails(cluster=c.name, server_id=sid, model=model.name, digest=model.digest,
                                        port=c.port, host=host, settings=settings)
                 draft_digest = settings["speculative"].get("draft_digest") if "speculative" in settings else None
+                adapter_digest = settings["adapter"]["digest"] if "adapter" in settings else None
                 deps = [replica_address(w.address_model, node) for w in wants[node].values()
-                        if w.digest in (model.digest, draft_digest)
+                        if w.digest in (model.digest, draft_digest, adapter_digest)
                         and replica_address(w.address_model, node) in replicating]
                 if previous:
                     deps.append(previous)

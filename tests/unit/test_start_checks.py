@@ -45,6 +45,9 @@ SETTINGS = [
     {"speculative": {"mode": "beam"}}, {"speculative": {"mode": "draft", "extra": 1}},
     {"speculative": {"mode": "draft", "draft_digest": "sha256:xyz"}}, {"speculative": {"mode": "draft", "tokens": 0}},
     {"speculative": {"mode": "draft", "draft": ""}}, {"tensor_parallel": -1},
+    {"adapter": {"name": "lora", "digest": "sha256:" + "a" * 64}}, {"adapter": {"name": "lora"}},
+    {"adapter": {"name": "", "digest": "sha256:" + "a" * 64}}, {"adapter": "lora"},
+    {"adapter": {"name": "lora", "digest": "sha256:" + "a" * 64, "scale": 2}},
 ]
 
 

@@ -17,6 +17,9 @@ def command(path: str, host: str, port: int, s: dict[str, Any], paths: ModelPath
         argv += ["--context-length", str(s["context_length"])]
     if s.get("threads"):
         argv += ["--threads", str(s["threads"])]
+    adapter = s.get("adapter")
+    if isinstance(adapter, dict):  # a LoRA adapter held here, merged by the worker at load
+        argv += ["--adapter", paths(str(adapter.get("digest")), "adapter")]
     gpus = s.get("gpus") or []
     if gpus:
         # The plan gave it GPUs: a build that cannot use them fails, not runs slow. The worker sees

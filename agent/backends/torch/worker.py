@@ -58,7 +58,8 @@ class Served:
     def __init__(self, model_dir: str, threads: int | None = None, context_length: int | None = None,
                  draft: str | None = None, prompt_lookup: int | None = None, dtype: str = "auto",
                  max_batch: int = 16, stream_buffer: int = STREAM_BUFFER, device: str = "auto",
-                 prefix_cache: int = PREFIX_TOKENS, gpu_memory: list[int] | None = None) -> None:
+                 prefix_cache: int = PREFIX_TOKENS, gpu_memory: list[int] | None = None,
+                 adapter: str | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,6 +99,8 @@ class Served:
             # transformers would fill these with random values and serve garbage without a word.
             raise SystemExit(f"{model_dir}: the weights lack {len(missing)} tensor(s) the model needs: "
                              + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
+        if adapter:
+            model = merged(model, adapter)
         self.model = (model if placed else model.to(self.device)).eval()  # spread: placed by device_map
         try:
             stack = Stack(self.model)
@@ -279,6 +282,21 @@ def release_sealed() -> int:
     return len(fds)
 
 
+def merged(model: Any, adapter_dir: str) -> Any:
+    """`model` with the LoRA adapter in `adapter_dir` (PEFT's format) merged into its weights: peft's
+    own merge, so the answers are those of peft's merged model; after it the model is a plain one."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise SystemExit("this server serves a LoRA adapter, which needs peft: "
+                         "pip install 'inference-fleet[torch]'") from None
+    try:
+        return PeftModel.from_pretrained(model, adapter_dir, local_files_only=True).merge_and_unload()
+    except (ValueError, RuntimeError, KeyError) as exc:  # a wrong base: shapes or modules that do not fit
+        first = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else type(exc).__name__
+        raise SystemExit(f"{adapter_dir}: the adapter does not fit this model: {first}") from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="torch_worker")
     ap.add_argument("--model", required=True)
@@ -288,6 +306,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--context-length", type=int)
     ap.add_argument("--draft")
+    ap.add_argument("--adapter", help="a LoRA adapter directory (PEFT's format), merged into the model at load")
     ap.add_argument("--prompt-lookup", type=int)
     ap.add_argument("--dtype", choices=DTYPES, default="auto",
                     help="weights' dtype in memory; auto: float32 on CPU, the checkpoint's own on a GPU")
@@ -305,7 +324,7 @@ def main() -> None:
     guard_worker()  # it will hold an encrypted model's plaintext: closed to the other workers
     served = Served(args.model, args.threads, args.context_length, args.draft, args.prompt_lookup, args.dtype,
                     args.max_batch, args.stream_buffer, args.device, args.prefix_cache,
-                    args.gpu_memory)  # fails here, loudly
+                    args.gpu_memory, args.adapter)  # fails here, loudly
     served.name = args.served_name or served.name
     print(json.dumps({"event": "loaded", "model": args.model, "device": str(served.device),
                       "dtype": str(served.model.dtype).removeprefix("torch."),
