@@ -199,7 +199,7 @@ class Checker:
             known = self.model_ref(model_name, base + ("model",), f"cluster {cname!r}")
             self.check_gpus(cname, cluster)
             if known:
-                self.check_adapter(cname, cluster, holders)
+                self.check_adapter(cname, cluster)
             if isinstance(cluster["members"], dict):
                 self.check_placement(cname, cluster)
                 self.check_speculative(cname, cluster, holders)
@@ -231,9 +231,10 @@ class Checker:
                 self.check_pipeline(cname, cluster, bound)
             self.check_speculative(cname, cluster, holders)
 
-    def check_adapter(self, cname: str, cluster: dict[str, Any], holders: dict[str, set[str]]) -> None:
-        """A cluster's LoRA adapter: a peft model, on a safetensors model served whole, held by every
-        member listed. (Whether it fits its base is known from the two manifests: the planner checks.)"""
+    def check_adapter(self, cname: str, cluster: dict[str, Any]) -> None:
+        """A cluster's LoRA adapter: a peft model, on a safetensors model served whole. The planner
+        replicates it to every member (reconciler/planning/weights.py), and checks that it fits its
+        base from the two manifests."""
         base: YamlPath = ("clusters", cname)
         model_name, adapter = cluster["model"], cluster.get("adapter")
         if self.models[model_name]["format"] == "peft":
@@ -257,13 +258,6 @@ class Checker:
             self.add("adapter_pipeline_unsupported", base + ("adapter",),
                      f"cluster {cname!r} is a pipeline: its stages do not merge adapter {adapter!r} yet",
                      "Serve the model whole on each member with this adapter.")
-            return
-        for i, member in enumerate(listed(cluster)):
-            if member in self.nodes and member not in holders.get(adapter, set()) \
-                    and member != self.models[adapter]["source"]:
-                self.add("adapter_not_replicated", base + ("members", i),
-                         f"{member!r} runs cluster {cname!r} with adapter {adapter!r} but holds no replica of it",
-                         f"Add {member!r} to replicas.{adapter}.")
 
     def check_gpus(self, cname: str, cluster: dict[str, Any]) -> None:
         """settings.gpus: per-member keys name members (or candidates); with tensor_parallel N, N GPUs."""

@@ -32,7 +32,8 @@ class Want:
 
 
 def wants(d: Desired, o: Observed, diags: list[Diagnostic]) -> dict[str, dict[str, Want]]:
-    """node → digest → Want, for every replica, every source, every model a member serves."""
+    """node → digest → Want, for every replica, every source, every model a member serves, and
+    each cluster's LoRA adapter on every member of it."""
     out: dict[str, dict[str, Want]] = {n: {} for n in d.nodes}
     for m in d.models.values():
         out[m.source][m.digest] = Want(m, m.digest, model_bytes(m, o))
@@ -54,6 +55,11 @@ def wants(d: Desired, o: Observed, diags: list[Diagnostic]) -> dict[str, dict[st
             continue
         out[r.node][mf.digest_of(sliced)] = Want(m, mf.digest_of(sliced), sum(f["size"] for f in sliced["files"]),
                                                  r.layers, m.digest)
+    for c in d.clusters.values():  # a LoRA adapter follows the members that merge it (placed ones too)
+        if c.adapter is not None and c.adapter in d.models and c.pipeline is None:
+            a = d.models[c.adapter]
+            for node in c.members:
+                out[node].setdefault(a.digest, Want(a, a.digest, model_bytes(a, o)))
     return out
 
 

@@ -1,7 +1,7 @@
 """A LoRA adapter (issue 29) on a real fleet: made here with peft on SmolLM2-135M-Instruct's float32
 safetensors (a fixed random init of its B matrices, so that it changes the answer), saved in PEFT's
-format, imported on cp (`fleet-agent import`, pinned by its own digest), replicated to `a` by
-`fleet apply` beside the base, merged at load by the PyTorch worker and asked through `fleet serve`.
+format, imported on cp (`fleet-agent import`, pinned by its own digest), replicated by `fleet apply`
+to `a`, the member that merges it (listed under no `replicas`), beside the base, merged at load by the PyTorch worker and asked through `fleet serve`.
 Two clusters on `a` share the one base copy, one with the adapter and one without. The adapted
 greedy answer equals peft's own merge in this process, and differs from the base's. A wrong base is
 a plan error naming both digests; a corrupt adapter byte is found at verification, its server
@@ -112,7 +112,6 @@ models:
   tiny: {{format: safetensors, digest: "{digests['tiny']}", source: cp}}
 replicas:
   smollm2: [a]
-  lora: [a]
 clusters:
   tuned: {{model: smollm2, adapter: lora, members: [a], port: {ports['tuned']}, settings: {settings}}}
   plain: {{model: smollm2, members: [a], port: {ports['plain']}, settings: {settings}}}
