@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any, Mapping
 
 from wire import manifest as mf
 from wire.ids import replica_address, server_address, server_id, split_server_id
@@ -59,6 +60,12 @@ def plan(desired: Desired, observed: Observed, *, targets: tuple[str, ...] = (),
     fingerprints = {n: o.fingerprint for n, o in observed.nodes.items() if o.ok}
     return Plan(tuple(changes), tuple(diags), config_digest, config_file, fingerprints, targets,
                 tuple(p.ledger.to_json()))
+
+
+def _adapter_digest(settings: Mapping[str, Any]) -> str | None:
+    """The LoRA adapter a server's settings say it merges (None: none)."""
+    adapter = settings.get("adapter")
+    return str(adapter["digest"]) if isinstance(adapter, dict) and "digest" in adapter else None
 
 
 class _Planner:
@@ -335,6 +342,9 @@ class _Planner:
             for ch in replacing:
                 if ch.node == node:
                     stopping.setdefault(ch.details["before"]["model"], []).append(ch.address)
+                    merged = _adapter_digest(ch.details["before"]["settings"])
+                    if merged is not None and merged != _adapter_digest(ch.details["settings"]):
+                        stopping.setdefault(merged, []).append(ch.address)  # its adapter, loaded until then
             for sid, srv in obs.servers.items():
                 if (node, sid) in desired_ids:
                     continue
@@ -343,6 +353,8 @@ class _Planner:
                                            f"{node} runs server {sid} ({srv.state}) that no cluster asks for",
                                            (), StopDetails(server_id=sid, model=srv.model), drift=True))
                 stopping.setdefault(srv.model, []).append(address)
+                if _adapter_digest(srv.settings) is not None:
+                    stopping.setdefault(str(_adapter_digest(srv.settings)), []).append(address)
             for digest, held in obs.weights.items():
                 if digest in wants.get(node, {}) or digest in obs.fetching:
                     continue
