@@ -247,6 +247,11 @@ def cmd_import(args: argparse.Namespace) -> int:
         sealed = ", encrypted: true" if args.encrypt else ""
         print(f"in fleet.yaml:  models.{name}: {{format: {manifest['format']}, digest: \"{digest}\", "
               f"source: <this node>{sealed}}}")
+        if manifest["format"] == "peft":  # a LoRA adapter: what it says of itself, and where it goes
+            a = manifest["adapter"]
+            print(f"a LoRA adapter (rank {a['rank']}, alpha {a['alpha']}, on {', '.join(a['target_modules'])}) made on "
+                  f"{a['base_model'] or 'a base it does not name'}; merged by a cluster naming it: "
+                  f"clusters.NAME.adapter: {name}")
     return 0
 
 
