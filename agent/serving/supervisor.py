@@ -306,7 +306,7 @@ class Workers:
     def _model_path(self, digest: str, what: str) -> str:
         entry = self._model(digest, what)
         if "encryption" in entry:  # its path holds ciphertext: only the served model is decrypted
-            raise Refused(409, "encrypted_draft_unsupported", f"{what} {digest} is encrypted; a draft model is "
+            raise Refused(409, "encrypted_draft_unsupported", f"{what} {digest} is encrypted; a {what} is "
                                                               "loaded from its stored files, so it must be a plain one")
         return str(entry["path"])
 
