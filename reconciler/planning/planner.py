@@ -140,6 +140,12 @@ class _Planner:
             if s.speculative.tokens:
                 spec["tokens"] = s.speculative.tokens
             out["speculative"] = spec
+            if s.speculative.mode == "draft" and self.d.models[c.model].format == "gguf":
+                self.diags.append(warning(
+                    "speculative_draft_not_applied",
+                    f"cluster {c.name!r} serves a GGUF model: its draft model {s.speculative.draft!r} is not used",
+                    "fleet's llama.cpp workers draft by prompt lookup only (speculative: {mode: prompt_lookup}); "
+                    "the server starts and answers without a draft model", address=address))
             if node != self.cp:
                 self.diags.append(warning("speculative_remote_unvalidated",
                                           f"speculative decoding on remote node {node!r} is not validated",
