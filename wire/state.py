@@ -82,6 +82,16 @@ class Encryption(TypedDict):
     key_held: bool  # the agent holds that key: without it no server starts on the model
 
 
+class Architecture(TypedDict):
+    """What a held model's KV cache is sized from (agent/weights/architecture.py): per token,
+    layers x 2 (K and V) x kv_heads x head_dim x kv_dtype_bytes."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype_bytes: int
+
+
 class WeightsEntry(TypedDict):
     """A model held, whole or a slice."""
 
@@ -95,6 +105,7 @@ class WeightsEntry(TypedDict):
     simulated: NotRequired[bool]  # claimed by a simulated agent (fleet-agent simulate): no bytes behind it
     integrity: NotRequired[Integrity]  # sent by agents that verify what they hold
     encryption: NotRequired[Encryption]  # only for a model encrypted at rest
+    architecture: NotRequired[Architecture]  # where the agent could read it from config.json or the GGUF metadata
 
 
 class FetchJob(TypedDict):

@@ -19,8 +19,9 @@ from typing import Any, Iterator, Protocol
 
 from host.process import alive
 from wire import manifest as mf
-from wire.state import Encryption, Integrity, WeightsEntry
+from wire.state import Architecture, Encryption, Integrity, WeightsEntry
 
+from agent.weights import architecture
 from agent.weights.sealed import Key
 
 CHUNK = 1 << 20
@@ -94,6 +95,9 @@ class Store:
         self.meta = self.root / "meta"
         for d in (self.blobs, self.sealed, self.manifests, self.models, self.partial, self.meta):
             d.mkdir(parents=True, exist_ok=True)
+        # digest -> the model's architecture (or None), read from its headers once: a model's bytes
+        # never change under its digest, and the state lists every entry on every request
+        self._architecture: dict[str, Architecture | None] = {}
 
     def sweep(self) -> list[Path]:
         """Remove what a process that died left half-written: nothing can resume it (a fetch's
@@ -283,6 +287,12 @@ class Store:
                              "bytes": sum(f["size"] for f in m["files"]), "layers": m.get("layers"),
                              "slice": m.get("slice"), "path": str(path), "integrity": self.integrity(digest)}
         how = m.get("encryption")
+        if how is None:  # an encrypted model's headers are sealed: its architecture is not read
+            if digest not in self._architecture:
+                self._architecture[digest] = architecture.read(m["format"], path)
+            arch = self._architecture[digest]
+            if arch is not None:
+                out["architecture"] = arch
         if how is not None:
             out["encryption"] = Encryption(cipher=how["cipher"], key_id=how["key_id"],
                                            key_held=self.key is not None and self.key.id == how["key_id"])
