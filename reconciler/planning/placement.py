@@ -200,3 +200,12 @@ def inside(d: Desired, name: str, obs: ObservedNode) -> bool:
 
 def _serve_port(d: Desired) -> tuple[str, int]:
     return d.control_plane.node, int(d.control_plane.listen.rsplit(":", 1)[1])
+
+
+def members_of(d: Desired, o: Observed, cluster: str) -> tuple[str, ...]:
+    """A cluster's members as serve sees them: fleet.yaml's names, or for a placed cluster the nodes
+    (in the file's order) whose agents report its server CLUSTER@NODE, the truth once applied."""
+    c = d.clusters[cluster]
+    if c.placement is None:
+        return c.members
+    return tuple(n for n in d.nodes if n in o.nodes and server_id(cluster, n) in o.nodes[n].servers)
