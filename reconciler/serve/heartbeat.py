@@ -13,8 +13,9 @@ import trio
 
 from wire.ids import server_id
 
-from reconciler.core.desired import Desired
+from reconciler.core.desired import ClusterSpec, Desired
 from reconciler.core.observed import Observed, ObservedNode
+from reconciler.planning.placement import members_of
 from reconciler.planning.plan import Plan
 from reconciler.planning.planner import plan
 from reconciler.state.store import ServeRecord
@@ -43,6 +44,11 @@ class View:
     beats: int = 0
     draining: set[str] = field(default_factory=set)
     plan: Plan | None = None  # the drift plan of the latest beat
+
+    def members(self, d: Desired, c: ClusterSpec) -> tuple[str, ...]:
+        """The cluster's members as serve routes to them and shows them: fleet.yaml's names, or for a
+        placed cluster (members: {count}) the nodes whose agents last reported its server."""
+        return c.members if c.placement is None else members_of(d, Observed(self.nodes), c.name)
 
 
 class Heartbeat:
@@ -141,7 +147,7 @@ class Heartbeat:
         """One row per cluster member; its state is what the agent reports, or why it cannot say."""
         for c in self.d.clusters.values():
             digest = self.d.models[c.model].digest
-            for node in c.members:
+            for node in self.view.members(self.d, c):
                 sid = server_id(c.name, node)
                 reason: str | None
                 if not self.view.online.get(node, False):

@@ -180,21 +180,22 @@ def cluster_json(d: Desired, view: View, c: ClusterSpec, traffic: Traffic | None
     paths: list[str] | None = None  # the members' paths, gathered only when a reason needs scrubbing
     members = []
     counts: dict[str, int] = {}
-    for i, node in enumerate(c.members):
+    named = view.members(d, c)
+    for i, node in enumerate(named):
         state, reason = member_state(view, c, node, digest)
         counts[state] = counts.get(state, 0) + 1
         # Only a server's own reason is the agent's words (the others are the heartbeat's own).
         agents = state not in ("node_offline", "missing", "drained", "drifted")
         if reason and agents and paths is None:
-            paths = node_paths(view.nodes.get(n) for n in c.members)
+            paths = node_paths(view.nodes.get(n) for n in named)
         members.append((state == "running", i, {"node": node, "state": state,
                                                 "reason": scrubbed(reason, paths or [], c.name) if agents else reason,
                                                 "id": server_id(c.name, node)}))
     shown = [m for _, _, m in sorted(members, key=lambda m: m[:2])[:MEMBERS_SHOWN]]
     t = traffic or Traffic()
     return {"name": c.name, "model": c.model, "port": c.port, "pipeline": c.pipeline is not None,
-            "members_total": len(c.members), "states": counts, "members": shown,
-            "serving": counts.get("running", 0) > 0 if c.pipeline is None else counts.get("running", 0) == len(c.members),
+            "members_total": len(named), "states": counts, "members": shown,
+            "serving": counts.get("running", 0) > 0 if c.pipeline is None else counts.get("running", 0) == len(named),
             "traffic": {"requests_per_s": round(t.requests_per_s, 3), "tokens_per_s": round(t.tokens_per_s, 3),
                         "errors_per_s": round(t.errors_per_s, 3), "p50_s": t.p50_s, "p99_s": t.p99_s,
                         "requests": t.requests, "window_s": round(t.window_s, 1)}}
@@ -408,7 +409,7 @@ class ViewCollector(Collector):
         for c in self.d.clusters.values():
             digest = self.d.models[c.model].digest
             counts: dict[str, int] = {"running": 0, "failed": 0}
-            for node in c.members:
+            for node in self.view.members(self.d, c):
                 state, _ = member_state(self.view, c, node, digest)
                 counts[state] = counts.get(state, 0) + 1
             for state, n in sorted(counts.items()):

@@ -176,13 +176,14 @@ class Router:
             # others hold layers a request cannot do without.
             down = [reason for good, reason in (self.member_state(c, node) for node in c.members) if not good]
             return ([] if down else [c.members[0]]), down
+        members = self.view.members(self.d, c)
         ok: list[str] = []
         why: list[str] = []
-        for node in c.members:
+        for node in members:
             good, reason = self.member_state(c, node)
             (ok if good else why).append(node if good else reason)
         # Least outstanding first.
-        ok.sort(key=lambda n: (self.outstanding.get(server_id(c.name, n), 0), c.members.index(n)))
+        ok.sort(key=lambda n: (self.outstanding.get(server_id(c.name, n), 0), members.index(n)))
         return ok, why
 
     def credential(self, node: str, sid: str) -> str:
@@ -291,6 +292,9 @@ class Router:
             log.warning("%s", message)
             return api_error(503, "pipeline_unavailable", message)
         if not members:
+            if not why and cluster.placement is not None:
+                why = [f"placed (members: {{count: {cluster.placement.count}}}), and no node reports its server: "
+                       "fleet apply places it"]
             message = f"cluster {cluster.name!r} has no running member: " + "; ".join(why)
             log.warning("%s", message)
             return api_error(503, "no_running_member", message)
