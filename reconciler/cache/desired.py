@@ -40,7 +40,7 @@ from reconciler import schemas
 from reconciler.fleetfile import config, checks as config_checks, source
 from reconciler.fleetfile.config import Loaded
 from reconciler.core.diagnostics import Diagnostic, Pos, Severity, SourceRange
-from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec, PipelineSpec, ReplicaSpec, ServeTlsSpec, Settings, SpeculativeSpec
+from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec, PipelineSpec, Placement, ReplicaSpec, ServeTlsSpec, Settings, SpeculativeSpec
 from reconciler.cache.observed import Warn, cache_path, code_digest, read_kept, reason, write_private
 
 MAGIC = b"fleet desired-state cache 1\n"
@@ -49,7 +49,7 @@ NOT_KEPT = "desired_cache_not_kept"
 MAX_BYTES = 64 << 20
 _TYPES: dict[str, type] = {t.__name__: t for t in (
     Desired, ControlPlaneSpec, ServeTlsSpec, NodeSpec, ModelSpec, ReplicaSpec, LayerRange, ClusterSpec, Settings,
-    SpeculativeSpec, PipelineSpec, Diagnostic, SourceRange, Pos)}
+    SpeculativeSpec, PipelineSpec, Placement, Diagnostic, SourceRange, Pos)}
 
 
 CODE = ("reconciler.fleetfile.config", __name__)  # what loads and checks a file, and what keeps and rebuilds its values

@@ -38,6 +38,7 @@ replicas:
 clusters:
   chat: {model: g, members: [a], port: 9000, settings: {context_length: 4096, speculative: {mode: prompt_lookup, tokens: 4}}}
   piped: {model: m, members: [a, b], port: 9001, pipeline: true}
+  placed: {model: m, members: {count: 1, labels: {rack: r1}}, port: 9002}
 """
 CERT = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 ROOT = Path(__file__).resolve().parents[2]
