@@ -8,4 +8,4 @@ import wire
 
 
 def test_the_installed_metadata_says_the_version_wire_says() -> None:
-    assert importlib.metadata.version("fleet") == wire.__version__
+    assert importlib.metadata.version("inference-fleet") == wire.__version__
