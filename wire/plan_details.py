@@ -91,6 +91,12 @@ class GpuShare(TypedDict):
     bytes: int  # reserved on this GPU for this server
 
 
+# Sequences a server on GPUs keeps at once, the figure its KV cache is reserved for: the PyTorch
+# engine's --max-batch default, and the --parallel the agent gives the batched llama.cpp worker when
+# the plan gave it GPUs (on a CPU node that worker sizes itself to the memory free).
+GPU_SEQUENCES = 16
+
+
 class VramEstimate(TypedDict):
     """What a server needs in GPU memory, by part (the plan's JSON shows each): the weights as
     loaded (dtype or quantisation), the KV cache for its context length and concurrent sequences,

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from wire.plan_details import GpuShare, ServerSettings, VramEstimate
+from wire.plan_details import GPU_SEQUENCES, GpuShare, ServerSettings, VramEstimate
 
 from reconciler.core.observed import Observed, ObservedNode
 
@@ -30,9 +30,11 @@ MIB = 1 << 20
 ENGINE_OVERHEAD = 512 * MIB
 # What the workers use when the cluster sets no context length (agent/backends/torch/worker.py:
 # 2,048 or the model's own limit, whichever is less; llama.cpp's worker the same), and how many
-# sequences each keeps at once (the torch engine's --max-batch default; llama.cpp serves one).
+# sequences each keeps at once on its GPUs (wire.plan_details.GPU_SEQUENCES: the torch engine's
+# --max-batch default, and the --parallel the agent gives the batched llama.cpp worker there, whose
+# context holds that many sequences' KV cache).
 DEFAULT_CONTEXT = 2048
-SEQUENCES = {"safetensors": 16, "gguf": 1}
+SEQUENCES = {"safetensors": GPU_SEQUENCES, "gguf": GPU_SEQUENCES}
 UNKNOWN_KV_FRACTION = 0.2  # the seed's rule, for a model whose architecture nothing reported
 ACTIVE = ("starting", "running")  # a server in another state holds no GPU memory
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1}

@@ -91,9 +91,13 @@ GPU_B = {"index": 0, "uuid": "GPU-bbbb", "bytes": 6 << 30, "free_bytes": 10 << 3
 
 def test_llama_cpp_offloads_to_its_gpus_and_splits_by_their_free_memory() -> None:
     one = BACKENDS["llama_cpp"].command(MODEL, HOST, PORT, {"gpus": [GPU_A]}, paths)
-    assert list(one.argv)[9:] == ["--n_gpu_layers", "-1", "--main_gpu", "0"]  # GPU 0: the first it sees
+    # The sequences the plan reserved KV cache for on its GPUs (GPU_SEQUENCES), then GPU 0: the first it sees
+    assert list(one.argv)[9:] == ["--parallel", "16", "--n_gpu_layers", "-1", "--main_gpu", "0"]
     two = BACKENDS["llama_cpp"].command(MODEL, HOST, PORT, {"tensor_parallel": 2, "gpus": [GPU_A, GPU_B]}, paths)
-    assert list(two.argv)[9:] == ["--n_gpu_layers", "-1", "--main_gpu", "0", "--tensor_split", "0.7500", "0.2500"]
+    assert list(two.argv)[9:] == ["--parallel", "16", "--n_gpu_layers", "-1", "--main_gpu", "0",
+                                  "--tensor_split", "0.7500", "0.2500"]
+    cpu = BACKENDS["llama_cpp"].command(MODEL, HOST, PORT, {}, paths)
+    assert "--parallel" not in cpu.argv  # on a CPU node the worker sizes itself to the memory free
 
 
 def test_llama_cpp_tensor_split_parses_as_the_engine_reads_it() -> None:

@@ -18,8 +18,9 @@ def test_the_kv_cache_is_sized_from_the_architecture_and_the_settings() -> None:
     assert v["overhead_bytes"] == 2 * ENGINE_OVERHEAD
     assert v["total_bytes"] == v["weights_bytes"] + v["kv_cache_bytes"] + v["overhead_bytes"]
     assert "32 layers x 2 x 1024 KV width x 2-byte cache x 8,192 tokens x 16 sequences" in v["basis"]
-    one = estimate("gguf", 15 * GIB, arch, {}, 1)  # llama.cpp: one sequence, the workers' default context
-    assert one["kv_cache_bytes"] == 32 * 2 * 1024 * 2 * 2048 and "default" in one["basis"]
+    # llama.cpp: the batched worker's sequences on GPUs (its --parallel there), the default context
+    one = estimate("gguf", 15 * GIB, arch, {}, 1)
+    assert one["kv_cache_bytes"] == 32 * 2 * 1024 * 2 * 2048 * 16 and "default" in one["basis"]
     stage = estimate("safetensors", 5 * GIB, arch, {}, 1, layers=8)  # a stage caches only its layers
     assert stage["kv_cache_bytes"] == 8 * 2 * 1024 * 2 * 2048 * 16
 

@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Any
 
+from wire.plan_details import GPU_SEQUENCES
+
 from agent.backends.launch import BadSettings, Command, LaunchSpec, ModelPath
 
 WORKER_ENV = "FLEET_LLAMA_WORKER"  # batched (the default) or server: which llama.cpp worker the agent starts
@@ -44,6 +46,10 @@ def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPat
         argv += ["--n_batch", str(s["batch_size"])]
     if s.get("parallel") and module == WORKERS["batched"]:  # sequences decoded together (default: what fits)
         argv += ["--parallel", str(s["parallel"])]
+    elif s.get("gpus") and module == WORKERS["batched"]:
+        # On GPUs, the sequences the plan reserved KV cache for (its estimate), not what a quarter
+        # of the host's free memory would hold: what the context allocates is what was reserved.
+        argv += ["--parallel", str(GPU_SEQUENCES)]
     gpus = s.get("gpus") or []
     if gpus:  # the worker sees exactly these (CUDA_VISIBLE_DEVICES), numbered 0..N-1 in this order
         argv += ["--n_gpu_layers", "-1", "--main_gpu", "0"]
