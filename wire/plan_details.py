@@ -49,6 +49,7 @@ class ServerSettings(TypedDict, total=False):
     context_length: int
     threads: int
     batch_size: int
+    parallel: int  # requests decoded together; unset: GPU_SEQUENCES on GPUs
     tensor_parallel: int
     speculative: Speculative
     adapter: Adapter  # a LoRA adapter merged into the model at load

@@ -136,7 +136,7 @@ def _refuse_corrupt(entry: WeightsEntry) -> None:
 # What a start's `settings` may hold: schemas/plan.schema.json's $defs/settings (the planner's
 # ServerSettings, wire/plan_details.py), checked here as the plan file is checked there
 # (tests/unit/test_start_checks.py holds the two to the same verdicts).
-_POSITIVE_INTS = ("context_length", "threads", "batch_size", "tensor_parallel")
+_POSITIVE_INTS = ("context_length", "threads", "batch_size", "parallel", "tensor_parallel")
 SETTINGS_KEYS = (*_POSITIVE_INTS, "speculative", "adapter", "startup_timeout_s")
 _SPECULATIVE_KEYS = ("mode", "draft", "draft_digest", "tokens")
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")

@@ -64,6 +64,7 @@ class Settings:
     context_length: int | None = None
     threads: int | None = None
     batch_size: int | None = None
+    parallel: int | None = None  # requests decoded together (sequences of KV cache)
     tensor_parallel: int | Literal["auto"] | None = None
     speculative: SpeculativeSpec | None = None
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S

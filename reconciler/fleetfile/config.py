@@ -95,7 +95,8 @@ def _build(data: dict[str, Any], layers: dict[tuple[str, int], LayerRange], ca_f
         speculative = None if spec is None else SpeculativeSpec(
             mode=spec.get("mode", "draft"), draft=spec.get("draft"), tokens=spec.get("tokens"))
         settings = Settings(context_length=s.get("context_length"), threads=s.get("threads"),
-                            batch_size=s.get("batch_size"), tensor_parallel=s.get("tensor_parallel"),
+                            batch_size=s.get("batch_size"), parallel=s.get("parallel"),
+                            tensor_parallel=s.get("tensor_parallel"),
                             speculative=speculative,
                             startup_timeout_s=float(s.get("startup_timeout_s", DEFAULT_STARTUP_TIMEOUT_S)),
                             gpus=_pins(s.get("gpus")))

@@ -80,7 +80,7 @@ def estimate(fmt: str, weights: int, arch: Arch | None, settings: ServerSettings
     """What a server of `weights` bytes needs over `gpus` GPUs; `layers`: a pipeline stage's share
     of the model's layers (its KV cache holds only those)."""
     tokens = int(settings.get("context_length") or DEFAULT_CONTEXT)
-    seqs = SEQUENCES.get(fmt, 1)
+    seqs = int(settings.get("parallel") or SEQUENCES.get(fmt, 1))
     told = "" if settings.get("context_length") else " (the workers' default)"
     if arch is not None:
         n = layers if layers is not None else arch.layers

@@ -124,6 +124,8 @@ class _Planner:
             out["threads"] = s.threads
         if s.batch_size is not None:
             out["batch_size"] = s.batch_size
+        if s.parallel is not None:
+            out["parallel"] = s.parallel
         address = server_address(c.name, node)
         if s.tensor_parallel == "auto":
             out["tensor_parallel"] = max(1, len(obs.gpus))

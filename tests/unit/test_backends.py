@@ -120,3 +120,9 @@ def test_torch_on_one_gpu_and_spread_over_several_by_their_reservations() -> Non
     two = BACKENDS["torch"].command(MODEL, HOST, PORT, {"tensor_parallel": 2, "gpus": [GPU_A, GPU_B]}, paths)
     assert list(two.argv)[9:] == ["--device", "cuda", "--gpu-memory", f"{6 << 30},{6 << 30}"]
 
+
+def test_parallel_is_the_requests_each_engine_decodes_together() -> None:
+    llama = BACKENDS["llama_cpp"].command(MODEL, HOST, PORT, {"parallel": 4, "gpus": [GPU_A]}, paths)
+    assert list(llama.argv).count("--parallel") == 1 and list(llama.argv)[list(llama.argv).index("--parallel") + 1] == "4"
+    torch = BACKENDS["torch"].command(MODEL, HOST, PORT, {"parallel": 4}, paths)
+    assert list(torch.argv)[list(torch.argv).index("--max-batch") + 1] == "4"

@@ -17,6 +17,8 @@ def command(path: str, host: str, port: int, s: dict[str, Any], paths: ModelPath
         argv += ["--context-length", str(s["context_length"])]
     if s.get("threads"):
         argv += ["--threads", str(s["threads"])]
+    if s.get("parallel"):  # requests decoded together (the engine's batch)
+        argv += ["--max-batch", str(s["parallel"])]
     adapter = s.get("adapter")
     if isinstance(adapter, dict):  # a LoRA adapter held here, merged by the worker at load
         argv += ["--adapter", paths(str(adapter.get("digest")), "adapter")]
