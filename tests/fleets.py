@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+import httpx
 
 from tests.agents import Agent, agent_env, free_port
 from tests.conftest import fleet_bin
@@ -45,6 +48,27 @@ clusters:
 
     def states(self) -> dict[str, dict]:
         return {n: a.get("/v1/state").json() for n, a in self.agents.items()}
+
+
+def start_serve(f: Fleet, listen: str, interval: float = 1, timeout: float = 60) -> subprocess.Popen[str]:
+    """`fleet serve` on the fleet's file, its output in serve.log beside it, returned once it is up
+    and one heartbeat was seen (the router then knows which servers run); the caller stops it."""
+    log = open(f.base / "serve.log", "w")
+    proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(f.file), "--interval", str(interval)],
+                            env=agent_env(FLEET_STATE_DIR=str(f.state_dir)), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"http://{listen}/healthz", timeout=1).json().get("beats", 0) >= 1:
+                return proc
+        except (httpx.TransportError, ValueError):
+            pass
+        if time.monotonic() >= deadline or proc.poll() is not None:
+            proc.kill()
+            proc.wait()
+            raise AssertionError((f.base / "serve.log").read_text())
+        time.sleep(0.1)
 
 
 def import_model(agent: Agent, path: Path) -> str:

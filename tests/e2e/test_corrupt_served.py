@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import signal
 import struct
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,9 +27,8 @@ import httpx
 import openai
 import pytest
 
-from tests.agents import SECRET, Agent, agent_env, free_port
-from tests.conftest import fleet_bin
-from tests.fleets import Fleet, import_model
+from tests.agents import SECRET, Agent, free_port
+from tests.fleets import Fleet, import_model, start_serve
 from tests.models import smollm2_gguf
 
 pytestmark = pytest.mark.e2e
@@ -90,19 +88,7 @@ clusters:
 """)
         applied = f.run("apply", "--auto-approve", timeout=600)
         assert applied.returncode == 0, applied.stdout + applied.stderr
-        log = open(base / "serve.log", "w")
-        proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(f.file), "--interval", "1"],
-                                env=agent_env(FLEET_STATE_DIR=str(f.state_dir)), stdout=log,
-                                stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 60
-        while True:  # up, and one heartbeat seen: the router knows the server runs
-            try:
-                if httpx.get(f"http://{listen}/healthz", timeout=1).json().get("beats", 0) >= 1:
-                    break
-            except (httpx.TransportError, ValueError):
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, (base / "serve.log").read_text()
-            time.sleep(0.1)
+        proc = start_serve(f, listen)  # up, and one heartbeat seen
         yield World(f, listen, digest, served_port, fmt)
     finally:
         if proc is not None:
