@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 EXIT_REFUSED = Exit.INVALID_CONFIG  # the environment or the flags make it pointless: said why, did nothing
 
 
-class Refused(Exception):
+class CannotStart(Exception):
     """A reason not to start, said in full; `code` the error document's (a stable name)."""
 
     def __init__(self, message: str, code: str = "refused") -> None:
@@ -47,7 +47,7 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     try:
         ident, created = identity.enroll(home, name, __version__)
     except (OSError, identity.NotEnrolled) as exc:
-        raise Refused(f"cannot enrol under {home}: {exc}") from None
+        raise CannotStart(f"cannot enrol under {home}: {exc}") from None
     if created:
         print(f"enrolled node {ident.name!r} with identity {ident.id} under {home}")
         print(f"pin it in fleet.yaml:  nodes.<name>.identity: {ident.id}")
@@ -63,7 +63,7 @@ def _secret() -> bytes:
     try:
         return cluster_secret(os.environ.get("FLEET_CLUSTER_SECRET"))
     except BadSecret as exc:
-        raise Refused(str(exc)) from None
+        raise CannotStart(str(exc)) from None
 
 
 def _weights_key(args: argparse.Namespace, guard: bool = False) -> Key | None:
@@ -79,9 +79,9 @@ def _weights_key(args: argparse.Namespace, guard: bool = False) -> Key | None:
             guard_process()
         return key
     except OSError as exc:
-        raise Refused(f"cannot guard the process holding the weights key: {exc.strerror or exc}") from None
+        raise CannotStart(f"cannot guard the process holding the weights key: {exc.strerror or exc}") from None
     except KeyProblem as exc:
-        raise Refused(str(exc)) from None
+        raise CannotStart(str(exc)) from None
     finally:  # no worker needs to know where the key is either
         os.environ.pop(KEY_ENV, None)
         os.environ.pop(KEY_FILE_ENV, None)
@@ -100,13 +100,13 @@ def _peer_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
         return ssl.create_default_context(cafile=path)
     except (OSError, ssl.SSLError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
-        raise Refused(f"--peer-ca-file {path}: cannot read CA certificates from it: {reason}") from None
+        raise CannotStart(f"--peer-ca-file {path}: cannot read CA certificates from it: {reason}") from None
 
 
 def _listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise Refused(f"--listen {text!r}: expected ADDRESS:PORT, e.g. 127.0.0.2:{DEFAULT_PORT}")
+        raise CannotStart(f"--listen {text!r}: expected ADDRESS:PORT, e.g. 127.0.0.2:{DEFAULT_PORT}")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
@@ -116,22 +116,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         ident = identity.load(home)
     except identity.NotEnrolled as exc:
-        raise Refused(str(exc)) from None
+        raise CannotStart(str(exc)) from None
     problems = [f for f in environment.directory_findings(home) if f.level == "error"]
     if problems:
-        raise Refused("; ".join(f.message for f in problems) +
+        raise CannotStart("; ".join(f.message for f in problems) +
                       ". Fix the permissions (or point HF_HOME/TORCH_HOME/LLAMA_CACHE elsewhere) and start again.")
     try:
         wins = tuple(Window.parse(w) for w in args.available or ())
     except ValueError as exc:
-        raise Refused(f"--available: {exc}") from None
+        raise CannotStart(f"--available: {exc}") from None
     try:
         probe: inventory.GpuProbe = (inventory.SimulatedGpus(Path(args.simulate_gpus)) if args.simulate_gpus
                                      else inventory.default_probe())
     except ValueError as exc:
-        raise Refused(str(exc)) from None
+        raise CannotStart(str(exc)) from None
     if bool(args.tls_cert) != bool(args.tls_key):
-        raise Refused("--tls-cert and --tls-key go together")
+        raise CannotStart("--tls-cert and --tls-key go together")
     host, port = _listen(args.listen)
     peer_tls = _peer_tls(args)
     weights_key = _weights_key(args, guard=True)
@@ -142,18 +142,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         verify_every = parse_period(args.verify_every)
     except ValueError as exc:
-        raise Refused(f"--verify-every: {exc}") from None
+        raise CannotStart(f"--verify-every: {exc}") from None
     try:
         reserve = None if args.disk_reserve is None else parse_size(args.disk_reserve)
     except ValueError as exc:
-        raise Refused(f"--disk-reserve: {exc}") from None
+        raise CannotStart(f"--disk-reserve: {exc}") from None
 
     if args.max_connections is not None and args.max_connections < 1:
-        raise Refused(f"--max-connections {args.max_connections}: expected 1 or more")
+        raise CannotStart(f"--max-connections {args.max_connections}: expected 1 or more")
     try:
         control_plane = frozenset(str(ipaddress.ip_address(a)) for a in args.control_plane or ())
     except ValueError as exc:
-        raise Refused(f"--control-plane: {exc} (an IP address the control plane connects from)") from None
+        raise CannotStart(f"--control-plane: {exc} (an IP address the control plane connects from)") from None
 
     from agent.app import assemble, create_app
     from agent.backends.launch import ProcessLauncher
@@ -206,9 +206,9 @@ def _piece_size(text: str) -> int | None:
     try:
         size = parse_size(text)
     except ValueError as exc:
-        raise Refused(f"--piece-size: {exc}, or auto") from None
+        raise CannotStart(f"--piece-size: {exc}, or auto") from None
     if not MIN_PIECE <= size <= MAX_PIECE:
-        raise Refused(f"--piece-size must be from {MIN_PIECE:,} to {MAX_PIECE:,} bytes, not {size:,}")
+        raise CannotStart(f"--piece-size must be from {MIN_PIECE:,} to {MAX_PIECE:,} bytes, not {size:,}")
     return size
 
 
@@ -219,21 +219,21 @@ def cmd_import(args: argparse.Namespace) -> int:
     try:
         identity.load(home)
     except identity.NotEnrolled as exc:
-        raise Refused(str(exc)) from None
+        raise CannotStart(str(exc)) from None
     src = Path(args.path)
     name = args.name or (src.stem if src.is_file() else src.resolve().name)
     key = _weights_key(args)
     if args.encrypt and key is None:
-        raise Refused("--encrypt needs this node's weights key: --key-file PATH or $FLEET_WEIGHTS_KEY_FILE "
+        raise CannotStart("--encrypt needs this node's weights key: --key-file PATH or $FLEET_WEIGHTS_KEY_FILE "
                       "(make one with: head -c 32 /dev/urandom > KEYFILE; chmod 600 KEYFILE)")
     if args.encrypt and args.link:
-        raise Refused("--encrypt stores an encrypted copy; it cannot hard-link the original (--link)")
+        raise CannotStart("--encrypt stores an encrypted copy; it cannot hard-link the original (--link)")
     piece_bytes = _piece_size(args.piece_size)
     try:
         digest, manifest = Store(home, key).import_model(src, name, link=args.link, encrypt=args.encrypt,
                                                          piece_bytes=piece_bytes)
     except (StoreError, OSError) as exc:
-        raise Refused(f"cannot import {src}: {exc}", getattr(exc, "code", "refused")) from None
+        raise CannotStart(f"cannot import {src}: {exc}", getattr(exc, "code", "refused")) from None
     size = sum(f["size"] for f in manifest["files"])
     if args.json:
         print(json.dumps({"digest": digest, "name": name, "format": manifest["format"], "bytes": size,
@@ -259,7 +259,7 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
     try:
         from agent.simulation import testmodel
     except ImportError as exc:
-        raise Refused(f"making test models needs numpy, safetensors, gguf and tokenizers "
+        raise CannotStart(f"making test models needs numpy, safetensors, gguf and tokenizers "
                       f"(pip install 'inference-fleet[testmodels]'): {exc}") from None
     shape = testmodel.Shape(layers=args.layers, hidden=args.hidden, intermediate=args.hidden * 2)
     out = Path(args.out)
@@ -277,7 +277,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     try:
         out = convert(Path(args.gguf), Path(args.out), args.dtype)
     except ConvertError as exc:
-        raise Refused(str(exc)) from None
+        raise CannotStart(str(exc)) from None
     print(f"wrote {out} ({args.dtype} safetensors, tokenizer and chat template); serve it on PyTorch after "
           f"`fleet-agent import {out}`")
     return 0
@@ -330,7 +330,7 @@ def run(argv: Sequence[str]) -> int:
     command = f"fleet-agent {args.command}"
     try:
         return int(COMMANDS[args.command](args))
-    except Refused as exc:
+    except CannotStart as exc:
         message = f"refusing to start: {exc}" if args.command == "serve" else str(exc)
         return _fail(argv, command, EXIT_REFUSED, exc.code, message)
 

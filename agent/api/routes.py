@@ -24,7 +24,7 @@ from wire.windows import status
 from agent.transfer.blobs import BlobResponse
 from agent.transfer.forward import PartialBlobResponse
 from agent.weights.store import StoreError
-from agent.serving.supervisor import HOLDING, Refused, check_settings
+from agent.serving.supervisor import HOLDING, RequestRefused, check_settings
 
 if TYPE_CHECKING:
     from agent.api.context import AgentContext
@@ -343,7 +343,7 @@ async def not_allowed(request: Request, _exc: Exception) -> Response:
 
 
 async def refused(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, Refused)
+    assert isinstance(exc, RequestRefused)
     return error_response(exc.status, exc.code, exc.message)
 
 
@@ -354,4 +354,4 @@ async def bad_input(_: Request, exc: Exception) -> Response:
 # Raised from handlers (a digest or sha that does not parse, a refusal from the workers) and turned
 # into the same error body as the refusals handlers return themselves.
 ERRORS: dict[Any, ErrorHandler] = {404: not_found, 405: not_allowed, mf.ManifestError: bad_input,
-                                   StoreError: bad_input, Refused: refused}
+                                   StoreError: bad_input, RequestRefused: refused}

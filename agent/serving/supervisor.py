@@ -41,7 +41,7 @@ GIB = 1 << 30
 HOLDING = ("starting", "running", "stopping")
 
 
-class Refused(Exception):
+class RequestRefused(Exception):
     """A request the agent will not carry out: the HTTP status, a stable code and the reason."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
@@ -128,7 +128,7 @@ def _also_loaded(server: Server) -> tuple[Any, ...]:
 def _refuse_corrupt(entry: WeightsEntry) -> None:
     integrity = entry.get("integrity")
     if integrity is not None and integrity["state"] == "corrupt":
-        raise Refused(409, "model_corrupt", f"model {entry['digest']} is corrupt on this node: {integrity['file']}: "
+        raise RequestRefused(409, "model_corrupt", f"model {entry['digest']} is corrupt on this node: {integrity['file']}: "
                                             f"{integrity['reason']} (found {integrity['checked_at']}); no server "
                                             "starts on it until it is fetched again from a good copy (fleet apply)")
 
@@ -146,12 +146,12 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _bad_settings(where: str, what: str) -> Refused:
-    return Refused(400, "bad_settings", f"{where}: {what}")
+def _bad_settings(where: str, what: str) -> RequestRefused:
+    return RequestRefused(400, "bad_settings", f"{where}: {what}")
 
 
 def check_settings(value: Any) -> dict[str, Any]:
-    """A start's settings (absent or null: none), or Refused 400 `bad_settings` naming the place."""
+    """A start's settings (absent or null: none), or RequestRefused 400 `bad_settings` naming the place."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -206,27 +206,27 @@ def check_gpus(value: Any, present: Sequence[GpuJson]) -> list[GpuShare]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise Refused(400, "bad_gpus", f"gpus must be a list of {{index, uuid, bytes}}, not {json_repr(value)}")
+        raise RequestRefused(400, "bad_gpus", f"gpus must be a list of {{index, uuid, bytes}}, not {json_repr(value)}")
     by_index = {g["index"]: g for g in present}
     out: list[GpuShare] = []
     for i, item in enumerate(value):
         where = f"gpus[{i}]"
         if not isinstance(item, dict) or set(item) != {"index", "uuid", "bytes"}:
-            raise Refused(400, "bad_gpus", f"{where} must be an object of exactly index, uuid and bytes, not "
+            raise RequestRefused(400, "bad_gpus", f"{where} must be an object of exactly index, uuid and bytes, not "
                                            f"{json_repr(item)}")
         index, uuid, nbytes = item["index"], item["uuid"], item["bytes"]
         if not (_is_int(index) and index >= 0) or not isinstance(uuid, str) or not (_is_int(nbytes) and nbytes >= 0):
-            raise Refused(400, "bad_gpus", f"{where}: index must be an integer of at least 0, uuid a string and "
+            raise RequestRefused(400, "bad_gpus", f"{where}: index must be an integer of at least 0, uuid a string and "
                                            f"bytes an integer of at least 0, not {json_repr(item)}")
         if any(g["index"] == index or g["uuid"] == uuid for g in out):
-            raise Refused(400, "bad_gpus", f"{where}: GPU {index} ({uuid}) is named twice")
+            raise RequestRefused(400, "bad_gpus", f"{where}: GPU {index} ({uuid}) is named twice")
         gpu = by_index.get(index)
         if gpu is None:
             have = ", ".join(f"{g['index']} ({g['uuid']})" for g in present) or "none"
-            raise Refused(409, "gpu_not_found", f"{where}: this node has no GPU {index} now (its GPUs: {have}); "
+            raise RequestRefused(409, "gpu_not_found", f"{where}: this node has no GPU {index} now (its GPUs: {have}); "
                                                 "plan again")
         if gpu["uuid"] != uuid:
-            raise Refused(409, "gpu_not_found", f"{where}: GPU {index} of this node is {gpu['uuid']}, not {uuid} "
+            raise RequestRefused(409, "gpu_not_found", f"{where}: GPU {index} of this node is {gpu['uuid']}, not {uuid} "
                                                 "(the GPUs were renumbered or replaced since the plan); plan again")
         out.append({"index": index, "uuid": uuid, "bytes": nbytes})
     return out
@@ -273,7 +273,7 @@ class Workers:
             room = total - others - fleet
             if share["bytes"] > room:
                 held = ", ".join(f"{h} {b / GIB:.2f} GiB" for h, b in holders) or "none"
-                raise Refused(409, "gpu_overcommitted",
+                raise RequestRefused(409, "gpu_overcommitted",
                               f"GPU {gpu['index']} ({gpu['uuid']}, {gpu['name']}) cannot take "
                               f"{share['bytes'] / GIB:.2f} GiB for {sid}: of its {total / GIB:.2f} GiB, fleet's servers reserve "
                               f"{fleet / GIB:.2f} GiB ({held}) and processes that are not fleet's hold "
@@ -306,17 +306,17 @@ class Workers:
     def _model_path(self, digest: str, what: str) -> str:
         entry = self._model(digest, what)
         if "encryption" in entry:  # its path holds ciphertext: only the served model is decrypted
-            raise Refused(409, "encrypted_draft_unsupported", f"{what} {digest} is encrypted; a {what} is "
+            raise RequestRefused(409, "encrypted_draft_unsupported", f"{what} {digest} is encrypted; a {what} is "
                                                               "loaded from its stored files, so it must be a plain one")
         return str(entry["path"])
 
     def _model(self, digest: str, what: str) -> WeightsEntry:
         if not self.store.is_present(digest):
-            raise Refused(409, "model_not_held", f"{what} {digest} is not held on this node; replicate it first")
+            raise RequestRefused(409, "model_not_held", f"{what} {digest} is not held on this node; replicate it first")
         entry = self.store.entry(digest)
         _refuse_corrupt(entry)
         if entry["slice"]:
-            raise Refused(409, "model_is_slice", f"{what} {digest} is held only as a slice (layers "
+            raise RequestRefused(409, "model_is_slice", f"{what} {digest} is held only as a slice (layers "
                                                  f"{entry['slice']['layers']}); a slice is served only as a "
                                                  "pipeline stage (a start with pipeline details)")
         return entry
@@ -324,7 +324,7 @@ class Workers:
     def _stage_model(self, digest: str, details: PipelineDetails) -> WeightsEntry:
         """The slice a pipeline stage serves: held, and of the layers its place in the group says."""
         if not self.store.is_present(digest):
-            raise Refused(409, "model_not_held", f"model {digest} is not held on this node; replicate it first")
+            raise RequestRefused(409, "model_not_held", f"model {digest} is not held on this node; replicate it first")
         entry = self.store.entry(digest)
         _refuse_corrupt(entry)
         rank = details["rank"]
@@ -332,7 +332,7 @@ class Workers:
         held = entry["slice"]
         if held is None or LayerRange.parse(held["layers"]) != wanted:
             what = f"layers {held['layers']}" if held else "the whole model"
-            raise Refused(409, "pipeline_slice_mismatch", f"model {digest} holds {what}, but stage {rank} of "
+            raise RequestRefused(409, "pipeline_slice_mismatch", f"model {digest} holds {what}, but stage {rank} of "
                                                           f"pipeline {details['group']} serves layers {wanted}")
         return entry
 
@@ -341,24 +341,24 @@ class Workers:
         now, against which the GPUs it names are checked and reserved."""
         sid = body.get("id")
         if not isinstance(sid, str) or not ID_RE.match(sid):
-            raise Refused(400, "bad_request", "id must be 1-128 letters, digits, '.', '_', '@' or '-'")
+            raise RequestRefused(400, "bad_request", "id must be 1-128 letters, digits, '.', '_', '@' or '-'")
         old = self.servers.get(sid)
         if old is not None and old.state in ("starting", "running", "stopping"):
-            raise Refused(409, "server_exists", f"server {sid} is already {old.state}; stop it first")
+            raise RequestRefused(409, "server_exists", f"server {sid} is already {old.state}; stop it first")
         digest, port = body.get("model"), body.get("port")
         if not isinstance(digest, str):
-            raise Refused(400, "bad_request", "model must be a model digest")
+            raise RequestRefused(400, "bad_request", "model must be a model digest")
         if not isinstance(port, int) or not 0 < port < 65536:
-            raise Refused(400, "bad_request", "port must be an integer 1-65535")
+            raise RequestRefused(400, "bad_request", "port must be an integer 1-65535")
         host = body.get("host") or self.default_host
         settings = body.get("settings")
         settings = {} if settings is None else settings
         if not isinstance(settings, dict):  # POST /v1/servers checks them whole first (check_settings)
-            raise Refused(400, "bad_settings", f"settings must be an object, not {json_repr(settings)}")
+            raise RequestRefused(400, "bad_settings", f"settings must be an object, not {json_repr(settings)}")
         shares = check_gpus(body.get("gpus"), present)
         tensor_parallel = settings.get("tensor_parallel")
         if shares and tensor_parallel is not None and tensor_parallel != len(shares):
-            raise Refused(400, "bad_gpus", f"settings.tensor_parallel is {tensor_parallel} but gpus names "
+            raise RequestRefused(400, "bad_gpus", f"settings.tensor_parallel is {tensor_parallel} but gpus names "
                                            f"{len(shares)} GPU(s): a server is split over exactly its GPUs")
         self._refuse_overcommit(sid, shares, present)
         details = None
@@ -366,36 +366,36 @@ class Workers:
             try:
                 details = check_details(body["pipeline"])
             except BadSettings as exc:
-                raise Refused(400, "bad_request", str(exc)) from None
+                raise RequestRefused(400, "bad_request", str(exc)) from None
             entry = self._stage_model(digest, details)
             spec = self.specs.get(registry.PIPELINE)
             if spec is None or spec.format != entry["format"]:
-                raise Refused(409, "format_not_served", f"model {digest} is a slice of a {entry['format']} model, "
+                raise RequestRefused(409, "format_not_served", f"model {digest} is a slice of a {entry['format']} model, "
                                                         "which this agent does not serve as a pipeline stage")
         else:
             entry = self._model(digest, "model")
             found = registry.for_format(entry["format"], self.specs)
             if found is None:
-                raise Refused(409, "format_not_served", f"model {digest} is stored as {entry['format']}, which no "
+                raise RequestRefused(409, "format_not_served", f"model {digest} is stored as {entry['format']}, which no "
                                                         "backend of this agent serves")
             spec = found
         adapter = settings.get("adapter")
         if isinstance(adapter, dict):  # a LoRA adapter, merged at load: PyTorch's servers of whole models only
             if spec.format != "safetensors" or details is not None:
-                raise Refused(409, "adapter_unsupported", f"model {digest} is served by the {spec.name} backend"
+                raise RequestRefused(409, "adapter_unsupported", f"model {digest} is served by the {spec.name} backend"
                                                           f"{' as a pipeline stage' if details else ''}, which merges "
                                                           "no LoRA adapter (only whole safetensors models do)")
             if self._model(str(adapter["digest"]), "adapter")["format"] != "peft":
-                raise Refused(409, "not_an_adapter", f"adapter {adapter['digest']} is held here, but as a model, "
+                raise RequestRefused(409, "not_an_adapter", f"adapter {adapter['digest']} is held here, but as a model, "
                                                      "not a PEFT adapter")
         missing = self.launcher.missing(spec.modules)
         if missing:
-            raise Refused(409, "backend_not_installed",
+            raise RequestRefused(409, "backend_not_installed",
                           f"the {spec.name} backend needs {', '.join(missing)}, not installed on this node: "
                           f"pip install 'inference-fleet[{spec.extra}]'")
         problem = self.launcher.port_problem(host, port)
         if problem:
-            raise Refused(409, "port_unavailable", f"port {port} on {host} is {problem}; another server or "
+            raise RequestRefused(409, "port_unavailable", f"port {port} on {host} is {problem}; another server or "
                                                     "process holds it")
         reason_file = self.logs / f"{sid}.reason"
         # The engine names its model by the cluster (the id's first part), never by a store path, so
@@ -408,7 +408,7 @@ class Workers:
             rdv = details["rendezvous"]
             problem = self.launcher.port_problem(rdv["address"], rdv["port"]) if details["rank"] == 0 else None
             if problem:
-                raise Refused(409, "port_unavailable", f"the pipeline's rendezvous port {rdv['port']} on "
+                raise RequestRefused(409, "port_unavailable", f"the pipeline's rendezvous port {rdv['port']} on "
                                                         f"{rdv['address']} is {problem}; another server or process "
                                                         "holds it")
             launch_settings = {**launch_settings, "pipeline": details, "reason_file": str(reason_file)}
@@ -418,7 +418,7 @@ class Workers:
         try:
             command = spec.command(model_path, host, port, launch_settings, self._model_path)
         except BadSettings as exc:
-            raise Refused(400, "bad_request", str(exc)) from None
+            raise RequestRefused(400, "bad_request", str(exc)) from None
         log = self.logs / f"{sid}.log"
         log.write_bytes(b"")
         reason_file.unlink(missing_ok=True)
@@ -491,7 +491,7 @@ class Workers:
     async def stop(self, sid: str, grace: float = STOP_GRACE_S) -> Server:
         server = self.servers.get(sid)
         if server is None:
-            raise Refused(404, "server_not_found", f"no server {sid} on this node")
+            raise RequestRefused(404, "server_not_found", f"no server {sid} on this node")
         proc = server.proc
         if proc is not None and proc.poll() is None:
             server.state = "stopping"

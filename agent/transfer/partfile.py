@@ -46,13 +46,13 @@ class Counters(Protocol):
     bytes_fetched: int
 
 
-class Signal:
+class Wakeup:
     """One thread wakes another: a plain lock, taken by the waiter and released by the waker, where
     threading.Semaphore's condition variable allocated a lock and ran a dozen Python lines a wait:
     a GiB handed over in 512 KiB blocks cost 0.78-0.83 CPU-s with the hash (0.69 alone), 0.76-0.78
     with this (2,048 hand-overs of one block, both side by side, four rounds). It does not count:
-    a second set before the wait is one set, which is all Beside needs (its thread reads what to do
-    from Beside after each wake; each block's join takes its one set)."""
+    a second set before the wait is one set, which is all HashThread needs (its thread reads what to do
+    from HashThread after each wake; each block's join takes its one set)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -68,7 +68,7 @@ class Signal:
         return self._lock.acquire(True, timeout)
 
 
-class Beside:
+class HashThread:
     """The file's hashing, in a thread of its own beside the receiving one (hashlib releases the
     GIL): the one running hash that checks each prefix digest and ends as the file's sha256
     (wire/pieces.py PrefixChecker), or, for a manifest with `pieces`, the whole file's sha256 while
@@ -89,8 +89,8 @@ class Beside:
         self.turn_s = 2 * wait_s
         self._block: bytes | bytearray | memoryview | None = None
         self._error: Exception | None = None
-        self._go = Signal()  # a block is handed over, or the end
-        self._done = Signal()  # the block's hash is done
+        self._go = Wakeup()  # a block is handed over, or the end
+        self._done = Wakeup()  # the block's hash is done
         self._busy = False
         self._stuck = False  # a join gave up: the thread may still hold a block, so none is handed again
         self._closed = False
@@ -116,7 +116,7 @@ class Beside:
             self._done.set()
 
     @contextmanager
-    def turn(self) -> Iterator[None]:
+    def one_block(self) -> Iterator[None]:
         """The receiver's turn with one block; after close, a LocalWrite before anything is done:
         the receiving thread of a cancelled fetch stops at its next block."""
         with self._turn:
@@ -176,20 +176,20 @@ class Beside:
         return self._stuck
 
 
-async def close(beside: Beside) -> bool:
-    """Beside.close for a fetch that ends: shielded, since a cancelled fetch must still end the hashing
+async def close(hasher: HashThread) -> bool:
+    """HashThread.close for a fetch that ends: shielded, since a cancelled fetch must still end the hashing
     thread (it would wait for a block forever) and stop its abandoned receiver; in a thread, since
     close waits for the block that receiver may be writing (one block's write and hash)."""
     with trio.CancelScope(shield=True):
-        quiet = await trio.to_thread.run_sync(beside.close)
+        quiet = await trio.to_thread.run_sync(hasher.close)
     return quiet
 
 
 async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Partial, download: Download,
-                       dest: Path, node: str, hashing: Callable[[Any], Beside] = Beside) -> None:
+                       dest: Path, node: str, hashing: Callable[[Any], HashThread] = HashThread) -> None:
     """Fetch the file `f` (a manifest entry with a piece list) into `part`: each piece checked as it
     lands, then published to `partial` (served to peers); the whole file checked at the end.
-    `hashing` makes the Beside that runs a hash (a test's makes one that is slow to answer)."""
+    `hashing` makes the HashThread that runs a hash (a test's makes one that is slow to answer)."""
     size, piece_bytes, sha = f["size"], f["piece_bytes"], f["sha256"]
     prefixed = "prefixes" in f
     fh, have = await trio.to_thread.run_sync(open_part, part, size)
@@ -200,15 +200,15 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
         if prefixed:
             good, running = await trio.to_thread.run_sync(good_prefix, fh, f["prefixes"], piece_bytes, size)
             check = pieces.PrefixChecker(f["prefixes"], piece_bytes, size, good, running)
-            beside = hashing(check)  # the one running hash, on the other core: it checks and ends as the sha256
+            hasher = hashing(check)  # the one running hash, on the other core: it checks and ends as the sha256
         else:
             whole = hashlib.sha256()
             good = await trio.to_thread.run_sync(good_pieces, fh, f["pieces"], piece_bytes, size, whole) if have else 0
             check = pieces.Checker(f["pieces"], piece_bytes, size, good)
-            beside = hashing(whole)
+            hasher = hashing(whole)
         def take(chunk: bytes | bytearray | memoryview) -> None:
-            with beside.turn():  # all of it: a cancelled fetch cuts the file back only after this block
-                beside.start(chunk)  # hashed on the other core while this one writes
+            with hasher.one_block():  # all of it: a cancelled fetch cuts the file back only after this block
+                hasher.start(chunk)  # hashed on the other core while this one writes
                 try:
                     try:
                         fh.write(chunk)
@@ -219,7 +219,7 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
                     if not prefixed:
                         check.update(chunk)
                 finally:
-                    beside.join()  # the caller reuses the block when this returns; a bad prefix raises here
+                    hasher.join()  # the caller reuses the block when this returns; a bad prefix raises here
                 if check.verified != partial.verified:
                     fh.flush()  # what peers read must be in the file before they are told it is there
                     partial.verified = check.verified
@@ -244,16 +244,16 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
                 finally:
                     # The file is cut back and the counters settled once nothing writes: after close.
                     # A close that gave up (a write stuck on our disk) leaves the file to the next re-check.
-                    if await close(beside):
+                    if await close(hasher):
                         # Read once. After a stuck hash (a join gave up) its thread may still advance
                         # check.verified; what take last published, inside its turn, is written and checked
                         # (a piece checked but not published is fetched again: at most one).
-                        kept = partial.verified if beside.stuck else check.verified
+                        kept = partial.verified if hasher.stuck else check.verified
                         job.bytes_done -= fh.tell() - kept
                         fh.truncate(kept)  # only verified pieces are kept: a resume starts on a boundary
                         fh.flush()
                         partial.verified = kept
-            actual = await trio.to_thread.run_sync(beside.hexdigest)
+            actual = await trio.to_thread.run_sync(hasher.hexdigest)
             if actual != sha:  # the pieces are pinned by the digest too: a bad manifest, or a bug
                 part.unlink(missing_ok=True)
                 raise FetchError(f"{f['path']} of {job.digest} from peer {job.peer}: every piece matched, but "
@@ -263,8 +263,8 @@ async def write_pieced(job: Counters, part: Path, f: dict[str, Any], partial: Pa
             # A fetch that ends before the download's own close still ends the hashing thread: a cancel
             # delivered as hexdigest's thread starts, after a re-check found the file whole (no
             # download), or an error. Not again after a close that gave up: it waited turn_s already.
-            if not beside.closed:
-                await close(beside)
+            if not hasher.closed:
+                await close(hasher)
     partial.path = dest
     partial.verified = size
 

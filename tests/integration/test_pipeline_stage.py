@@ -24,7 +24,7 @@ import trio
 from agent.api.server import Spawner
 from agent.backends.launch import ProcessLauncher
 from agent.weights.store import Store
-from agent.serving.supervisor import Refused, Workers
+from agent.serving.supervisor import RequestRefused, Workers
 from reconciler.agents.netutil import free_port
 from tests.integration.test_torch_worker import Worker, sse_events, together
 from tests.models import hold_slices, sliced, tiny_safetensors
@@ -321,13 +321,13 @@ def test_workers_start_a_group_from_held_slices_and_fail_it_whole(models: Path, 
             workers = [Workers(tmp_path / f"node{i}", stores[i], spawner, ProcessLauncher(), ADDRESSES[i])
                        for i in range(2)]
             for i, w in enumerate(workers):
-                with pytest.raises(Refused) as info:
+                with pytest.raises(RequestRefused) as info:
                     w.start({"id": "big", "model": digests[i], "port": port})
                 assert info.value.code == "model_is_slice"
-                with pytest.raises(Refused) as info:
+                with pytest.raises(RequestRefused) as info:
                     w.start({"id": "big", "model": digests[i], "port": port, "pipeline": details(spans, 1 - i, port)})
                 assert info.value.code == "pipeline_slice_mismatch" and f"holds layers {spans[i]}" in info.value.message
-                with pytest.raises(Refused) as info:
+                with pytest.raises(RequestRefused) as info:
                     w.start({"id": "big", "model": digests[i], "port": port, "pipeline": {**details(spans, i, port),
                                                                                           "world_size": 3}})
                 assert (info.value.status, info.value.code) == (400, "bad_request")

@@ -18,7 +18,7 @@ from agent.simulation.testmodel import Shape, make_safetensors
 from agent.weights.unseal import KEY_MISSING, TAMPERED, Refusal, Unsealer
 from agent.backends.launch import ProcessLauncher
 from agent.weights.verify import check
-from agent.serving.supervisor import Refused, Workers
+from agent.serving.supervisor import RequestRefused, Workers
 from tests.agents import free_port
 from tests.models import flip, tiny_safetensors
 
@@ -128,7 +128,7 @@ def test_an_encrypted_draft_model_is_refused(tmp_path: Path, model: Path) -> Non
     plain, _ = store.import_model(model, "tiny")
     draft, _ = store.import_model(model, "draft", encrypt=True)
     workers = Workers(tmp_path, store, lambda *a: None, ProcessLauncher(), "127.0.0.1")
-    with pytest.raises(Refused) as exc:
+    with pytest.raises(RequestRefused) as exc:
         workers.start({"id": "s@cp", "model": plain, "port": free_port("127.0.0.1"),
                        "settings": {"speculative": {"mode": "draft", "draft": "draft", "draft_digest": draft}}})
     assert exc.value.code == "encrypted_draft_unsupported" and draft in exc.value.message

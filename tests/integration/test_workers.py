@@ -21,7 +21,7 @@ from agent.api.server import Spawner
 from agent.backends.launch import BadSettings, Command, LaunchSpec, ModelPath, ProcessLauncher
 from agent.simulation.simulate import ClaimedStore, SimulatedLauncher
 from agent.weights.store import Store
-from agent.serving.supervisor import Refused, Server, Workers
+from agent.serving.supervisor import RequestRefused, Server, Workers
 from tests.agents import SECRET, agent_env, free_port, wait_healthy
 from tests.conftest import fleet_bin
 from tests.models import random_gguf
@@ -172,7 +172,7 @@ def test_a_command_that_cannot_start_fails_saying_so(tmp_path: Path) -> None:
 def test_refusals_come_before_any_process(tmp_path: Path, body: dict[str, Any], spec: dict[str, Any],
                                           status: int, code: str) -> None:
     async def go(workers: Workers, digest: str) -> None:
-        with pytest.raises(Refused) as info:
+        with pytest.raises(RequestRefused) as info:
             workers.start({"model": digest, "port": free_port(HOST), **body})
         assert (info.value.status, info.value.code) == (status, code)
         assert workers.servers == {} and not (tmp_path / "servers" / "a.log").exists()
@@ -186,7 +186,7 @@ def test_a_port_in_use_is_refused(tmp_path: Path) -> None:
             busy.bind((HOST, 0))
             busy.listen(1)
             port = busy.getsockname()[1]
-            with pytest.raises(Refused, match=f"port {port} on {HOST} is in use") as info:
+            with pytest.raises(RequestRefused, match=f"port {port} on {HOST} is in use") as info:
                 workers.start({"id": "p", "model": digest, "port": port})
         assert info.value.code == "port_unavailable"
 
@@ -206,9 +206,9 @@ def test_simulated_workers_run_claimed_models_through_the_same_checks(tmp_path: 
             assert server.backend == "torch"
             await settled(server, "running")
             assert server.pid == 0
-            with pytest.raises(Refused, match="already running"):
+            with pytest.raises(RequestRefused, match="already running"):
                 workers.start({"id": "s", "model": claimed, "port": 9000})
-            with pytest.raises(Refused) as info:
+            with pytest.raises(RequestRefused) as info:
                 workers.start({"id": "t", "model": "sha256:" + "cd" * 32, "port": 9000})
             assert info.value.code == "model_not_held"
             assert (await workers.stop("s")).state == "stopped" and workers.servers == {}

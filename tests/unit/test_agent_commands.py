@@ -27,6 +27,6 @@ def test_piece_size_auto_in_any_case_leaves_the_size_to_each_file(text: str) -> 
 
 
 def test_a_piece_size_that_is_not_one_says_auto_is_the_other_choice() -> None:
-    with pytest.raises(cli.Refused, match=r"--piece-size: .*, or auto$"):
+    with pytest.raises(cli.CannotStart, match=r"--piece-size: .*, or auto$"):
         cli._piece_size("automatic")
     assert cli._piece_size("4MiB") == 4 << 20

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from agent.transfer.forward import Partial
-from agent.transfer.partfile import Beside, FetchError, LocalWrite, Signal, Take, write_pieced
+from agent.transfer.partfile import FetchError, HashThread, LocalWrite, Take, Wakeup, write_pieced
 from wire import pieces
 
 PIECE = pieces.MIN_PIECE
@@ -104,12 +104,12 @@ def test_a_cancelled_fetch_leaves_no_hashing_thread_and_its_abandoned_receiver_s
 
 
 def waiting_for_the_turn() -> bool:
-    """Whether a thread is in Beside.close, blocked taking the turn that a receiver holds: all a
+    """Whether a thread is in HashThread.close, blocked taking the turn that a receiver holds: all a
     fetch that waits for the block in flight can do until that block is done. Read from the
-    threads' frames (no product code replaced); never true of a Beside without that turn."""
-    lines, first = inspect.getsourcelines(Beside.close)
+    threads' frames (no product code replaced); never true of a HashThread without that turn."""
+    lines, first = inspect.getsourcelines(HashThread.close)
     at = {first + i for i, line in enumerate(lines) if "self._turn.acquire(" in line}
-    code = Beside.close.__code__
+    code = HashThread.close.__code__
     return any(f.f_code is code and f.f_lineno in at for f in sys._current_frames().values())
 
 
@@ -296,9 +296,9 @@ def test_a_hash_stuck_past_its_wait_cannot_move_the_cut_back_while_it_is_made(tm
     slow: list[SlowToAnswer] = []
     before = set(hashing_threads())
 
-    def hashing(check: Any) -> Beside:
+    def hashing(check: Any) -> HashThread:
         slow.append(SlowToAnswer(check))
-        return Beside(slow[-1], wait_s=0.2)
+        return HashThread(slow[-1], wait_s=0.2)
 
     async def by_piece(path: str, first: int, last: int, take: Take) -> int:
         for at in range(first, last + 1, PIECE):
@@ -384,7 +384,7 @@ def test_a_held_piece_that_rotted_is_fetched_again_with_everything_after_it(tmp_
 
 
 def test_a_signal_wakes_one_wait_and_a_second_set_before_it_is_the_same_set() -> None:
-    signal = Signal()
+    signal = Wakeup()
     assert not signal.wait(0.01)  # nothing set: the wait gives up
     signal.set()
     signal.set()  # not counted

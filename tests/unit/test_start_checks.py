@@ -17,7 +17,7 @@ import trio
 from agent.api.server import Spawner
 from agent.backends.launch import gpu_environment
 from agent.machine.inventory import Gpu, SimulatedGpus
-from agent.serving.supervisor import SETTINGS_KEYS, Refused, Workers, check_gpus, check_settings
+from agent.serving.supervisor import SETTINGS_KEYS, RequestRefused, Workers, check_gpus, check_settings
 from agent.simulation.simulate import SimulatedLauncher
 from agent.weights.store import Store
 from reconciler.schemas import Validator, load_schema
@@ -57,7 +57,7 @@ def test_settings_get_the_plan_schemas_verdict(settings: Any) -> None:
     try:
         check_settings(settings)
         agent_ok = True
-    except Refused as exc:
+    except RequestRefused as exc:
         agent_ok = False
         assert (exc.status, exc.code) == (400, "bad_settings")
         assert exc.message.startswith("settings")  # names the place
@@ -65,7 +65,7 @@ def test_settings_get_the_plan_schemas_verdict(settings: Any) -> None:
 
 
 def test_a_list_for_settings_is_refused_naming_what_it_got() -> None:
-    with pytest.raises(Refused, match=r"^settings: must be an object, not list \[\]$") as info:
+    with pytest.raises(RequestRefused, match=r"^settings: must be an object, not list \[\]$") as info:
         check_settings([])
     assert info.value.code == "bad_settings"
 
@@ -85,7 +85,7 @@ GPUS = [Gpu(0, "NVIDIA H100", "GPU-aaaa", 80 * GIB, 79 * GIB).to_json(),
     ([{"index": 1, "uuid": "GPU-aaaa", "bytes": 1}], 409, "gpu_not_found", "GPU 1 of this node is GPU-bbbb, not GPU-aaaa"),
 ], ids=["not-a-list", "missing-bytes", "negative-index", "bool-bytes", "twice", "no-such-index", "uuid-differs"])
 def test_gpus_a_start_names_are_checked_against_the_inventory(gpus: Any, status: int, code: str, words: str) -> None:
-    with pytest.raises(Refused) as info:
+    with pytest.raises(RequestRefused) as info:
         check_gpus(gpus, GPUS)
     assert (info.value.status, info.value.code) == (status, code)
     assert words in info.value.message
@@ -148,7 +148,7 @@ def test_servers_share_a_gpu_while_they_fit_and_the_next_is_refused_naming_it(tm
         assert a.env == {"CUDA_VISIBLE_DEVICES": "GPU-l4-0"} and b.env == {"CUDA_VISIBLE_DEVICES": "GPU-l4-0"}
         # 1 GiB held by a process that is not fleet's, 22 GiB reserved by a and b: 1 GiB is left.
         assert [g.memory_free_bytes for g in probe.gpus()] == [1 * GIB, 24 * GIB]
-        with pytest.raises(Refused) as info:
+        with pytest.raises(RequestRefused) as info:
             workers.start({"id": "c@n", "model": digest, "port": 9003, "gpus": [share(0, 1.5)]}, gpus_now(probe))
         assert (info.value.status, info.value.code) == (409, "gpu_overcommitted")
         assert info.value.message == (
@@ -168,7 +168,7 @@ def test_servers_share_a_gpu_while_they_fit_and_the_next_is_refused_naming_it(tm
 
 def test_a_tensor_parallel_start_names_as_many_gpus_and_the_engine_splits_over_them(tmp_path: Path) -> None:
     async def go(workers: Workers, probe: SimulatedGpus, digest: str) -> None:
-        with pytest.raises(Refused, match="tensor_parallel is 2 but gpus names 1") as info:
+        with pytest.raises(RequestRefused, match="tensor_parallel is 2 but gpus names 1") as info:
             workers.start({"id": "a@n", "model": digest, "port": 9001, "settings": {"tensor_parallel": 2},
                            "gpus": [share(0, 4)]}, gpus_now(probe))
         assert info.value.code == "bad_gpus"
@@ -191,7 +191,7 @@ def test_a_gpu_the_file_no_longer_lists_is_gone_from_the_next_answer(tmp_path: P
         assert [g.memory_free_bytes for g in probe.gpus()] == [23 * GIB, 20 * GIB]
         gpu_file(probe.path, [{**TWO[1], "index": 1}])
         assert [(g.index, g.uuid, g.memory_free_bytes) for g in probe.gpus()] == [(1, "GPU-l4-1", 20 * GIB)]
-        with pytest.raises(Refused, match="no GPU 0 now") as info:
+        with pytest.raises(RequestRefused, match="no GPU 0 now") as info:
             workers.start({"id": "b@n", "model": digest, "port": 9002, "gpus": [share(0, 1)]}, gpus_now(probe))
         assert info.value.code == "gpu_not_found"
 
