@@ -30,7 +30,7 @@ def cluster_secret(raw: str | None) -> bytes:
     return secret
 
 
-class _Door:
+class _BearerGate:
     """An ASGI app behind `Authorization: Bearer <token>`, compared in constant time: a request that
     carries it (or asks for one of `public`) goes through, any other is refused by `refuse`."""
 
@@ -59,7 +59,7 @@ class _Door:
         return given is not None and hmac.compare_digest(given, self.expected)
 
 
-class BearerAuth(_Door):
+class BearerAuth(_BearerGate):
     """Every path but /healthz needs `Authorization: Bearer <cluster secret>`, compared in constant
     time. The answer says whether the secret was missing or wrong, and never echoes it."""
 
@@ -82,7 +82,7 @@ def new_worker_credential() -> str:
     return secrets.token_urlsafe(32)
 
 
-class WorkerAuth(_Door):
+class WorkerAuth(_BearerGate):
     """A worker's door: every request (health included: the agent's probe carries it too) needs
     `Authorization: Bearer <credential>`; anything else is a 401 in OpenAI's error shape. The
     router is given the credential through the agent's authenticated state; a client that reaches
