@@ -205,11 +205,20 @@ def test_a_slow_reader_gets_every_token_and_stalls_no_one(tiny: Worker) -> None:
     assert "".join(e["choices"][0]["text"] for e in events[:-2]) == whole
 
 
-def test_a_client_that_leaves_frees_its_sequence(tiny: Worker) -> None:
-    if tiny.kind != "batched":
-        pytest.skip("llama-cpp-python's server app keeps no counters of its own")
+def test_a_client_that_leaves_frees_its_sequence(tmp_path: Path) -> None:
+    # A context of its own, long enough that the answer (1,500 tokens, ~300 KB of events) cannot fit
+    # in the sockets' buffers: at 200 tokens the whole answer was sometimes generated, and its
+    # sequence freed, before the client's first read, and the test proved nothing about leaving.
+    tiny = Worker("batched", tiny_gguf(tmp_path), "--stream_buffer", "4", "--parallel", "8", "--n_ctx", "2048")
+    try:
+        client_that_leaves(tiny)
+    finally:
+        tiny.stop()
+
+
+def client_that_leaves(tiny: Worker) -> None:
     before = tiny.stats()
-    with slow_stream(tiny, {"prompt": "The fleet", "max_tokens": 200, "stream": True}) as sock:
+    with slow_stream(tiny, {"prompt": "The fleet", "max_tokens": 1500, "stream": True}) as sock:
         assert sock.recv(512)
         assert tiny.stats()["free_sequences"] == before["parallel"] - 1  # its sequence, held while it reads
     deadline = time.monotonic() + 30
