@@ -99,7 +99,8 @@ def _answer(base: str) -> bool:
     try:
         r = httpx.post(f"{base}/v1/completions", json={"model": "local", "prompt": "The fleet", "max_tokens": 2,
                                                         "temperature": 0}, timeout=30)
-    except httpx.TransportError:
+    except httpx.TransportError as exc:
+        print(f"{base}: {type(exc).__name__}: {exc}")  # in the captured output of a failure
         return False
     if r.status_code != 200:
         print(f"{base}: {r.status_code} {r.text[:300]}")
