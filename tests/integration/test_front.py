@@ -323,21 +323,29 @@ def test_a_client_leaving_a_relayed_stream_closes_the_workers_connection() -> No
 
 
 def test_each_event_reaches_the_client_whole_before_the_next_is_made() -> None:
-    """The worker sends one event naming its store path, then nothing for 3 s: the client must
-    have that event, scrubbed and complete to its blank line, well before the second."""
+    """The worker sends one event naming its store path and makes the next only once the client
+    holds that event, scrubbed and complete to its blank line: a relay that waited for more (a
+    buffer, the next event) would never get it there, and the test ends at its deadline."""
+    client_has_it = trio.Event()
+
     async def worker(stream: trio.SocketStream) -> None:
         await stream.receive_some(65536)
         first = b'data: {"model": "/srv/home/store/models/abc", "text": "a"}\n\n'
         await stream.send_all(SSE_HEAD + b"%x\r\n%s\r\n" % (len(first), first))
-        await trio.sleep(3)
+        await client_has_it.wait()
         await stream.send_all(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
 
     async def main() -> None:
         async with relayed(worker) as (client, _):
             got = b""
-            with trio.fail_after(1):
+            with trio.fail_after(10):
                 while not got.endswith(b'data: {"model": "chat", "text": "a"}\n\n\r\n'):
                     got += await client.receive_some(65536)
+            client_has_it.set()
+            with trio.fail_after(10):
+                while not got.endswith(b"0\r\n\r\n"):
+                    got += await client.receive_some(65536)
+            assert got.count(b"data: ") == 2 and b"[DONE]" in got
     run(main)
 
 

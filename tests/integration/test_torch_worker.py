@@ -206,7 +206,9 @@ def test_a_slow_reader_gets_every_token_and_stalls_no_one(tiny: Worker) -> None:
         t0 = time.monotonic()
         other = completion(tiny, PROMPTS[3], 20, temperature=0)  # while this reader sleeps
         assert time.monotonic() - t0 < 4 and other[2] == 20
-        time.sleep(5 - (time.monotonic() - t0))
+        deadline = time.monotonic() + 30  # the worker sets the request aside once its reader's buffers fill
+        while tiny.stats()["set_aside"] <= aside and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert tiny.stats()["set_aside"] > aside, "the worker never paused the request for its slow reader"
         sock.settimeout(30)
         while not raw.endswith(b"\r\n0\r\n\r\n"):  # the last chunk (the worker keeps the connection)
