@@ -2,7 +2,8 @@
 slices as an agent holds them gives exactly the whole model's tokens through torch_worker; rows are
 freed on every stage when a client leaves; a stage that dies, stops answering, never joins or cannot
 load ends every stage with one reason naming it; and the agent's Workers start and supervise a
-group. The e2e tests run SmolLM2-135M-Instruct (float32 twin) in 2 and 3 stages."""
+group. SmolLM2-135M-Instruct (its float32 twin) in 2 and 3 stages, through a whole fleet, is
+tests/e2e/test_pipeline.py's: its answers are asked once per layout, there."""
 
 from __future__ import annotations
 
@@ -360,38 +361,3 @@ def test_workers_start_a_group_from_held_slices_and_fail_it_whole(models: Path, 
 
     trio.run(main)
 
-
-SMOL_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
-
-
-def ask_chat(client: openai.OpenAI) -> tuple[list[str], list[str]]:
-    """Each prompt's greedy answer, not streamed and streamed."""
-    plain = [str(client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}],
-                                                max_tokens=40, temperature=0).choices[0].message.content)
-             for p in SMOL_PROMPTS]
-    streamed = ["".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": p}], max_tokens=40, temperature=0, stream=True)
-        if c.choices) for p in SMOL_PROMPTS]
-    return plain, streamed
-
-
-@pytest.fixture(scope="module")
-def smol_reference(smollm2_f32: Path) -> Iterator[tuple[list[str], list[str]]]:
-    """SmolLM2's answers from the whole model in torch_worker."""
-    w = Worker(smollm2_f32)
-    try:
-        yield ask_chat(w.client())
-    finally:
-        w.stop()
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("spans", [["0-14", "15-29"], ["0-9", "10-19", "20-29"]], ids=["2-stages", "3-stages"])
-def test_smollm2_in_stages_gives_the_whole_models_tokens(smollm2_f32: Path, smol_reference: tuple[list[str], list[str]],
-                                                         spans: list[str], tmp_path: Path) -> None:
-    p = Pipeline(sliced(smollm2_f32, spans, smollm2_f32.parent), spans, tmp_path)
-    try:
-        assert ask_chat(p.client()) == smol_reference
-        assert smol_reference[0] == smol_reference[1] and all(len(r) > 20 for r in smol_reference[0])
-    finally:
-        p.stop()
