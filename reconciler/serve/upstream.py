@@ -1,16 +1,20 @@
 """A streaming HTTP/1.1 POST to a worker over a plain trio socket, for the router's relay.
 
 Through httpx every chunk the worker wrote becomes one event and one send to the client, so the
-relay's cost grows with the worker's chunk rate. Reading the socket directly and decoding the
-chunked framing here yields everything that has arrived in one piece: when the relay falls
-behind, chunks coalesce instead of queueing, and nothing waits for more bytes than are there."""
+relay's cost grows with the worker's chunk rate. Reading the socket directly yields everything
+that has arrived in one piece: when the relay falls behind, chunks coalesce instead of queueing,
+and nothing waits for more bytes than are there. The body's framing (chunked, Content-Length, or
+to the end of the connection) is decoded by httptools' response parser (llhttp, the parser of the
+front and of uvicorn), fed each read as it arrives: a chunk-size line, an extension or a trailer is
+taken or refused exactly as llhttp takes or refuses it (tests/unit/test_upstream.py holds each
+form against httptools' verdict), and nothing of a framing line is buffered here."""
 
 from __future__ import annotations
 
-import re
 import socket
 from typing import AsyncIterator
 
+import httptools
 import trio
 
 from wire.http import HeadError, HeadTooLarge, content_length, is_chunked, split_head
@@ -19,15 +23,6 @@ from reconciler.agents import sockio
 
 READ = 64 * 1024
 CONNECT_TIMEOUT = 5.0
-# A chunk-size line as llhttp takes it (RFC 9112 7.1): hex digits, at most 16 after any leading
-# zeros (llhttp refuses a size past 64 bits), then extensions, each `;name` or `;name=value` (a
-# token or a quoted string); no sign, no `0x`, no `_`, no space, no bare CR or LF. int(..., 16)
-# took `-5` (which left the decoder's count negative), `+5`, `0x5`, `1_0` and spaces.
-# (tests/unit/test_upstream.py holds each form; llhttp's own lenient `;a=` and `;=b` are refused.)
-_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-_QUOTED = rb'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t -~\x80-\xff])*"'
-_CHUNK_SIZE = re.compile(rb"0*([0-9A-Fa-f]{1,16})(?:;" + _TOKEN + rb"(?:=(?:" + _TOKEN + rb"|" + _QUOTED + rb"))?)*")
-SIZE_LINE_MAX = 4096  # a size line (extensions included) longer than this is refused, not buffered
 
 
 class UpstreamError(Exception):
@@ -59,19 +54,25 @@ class Pool:
 
 
 class UpstreamResponse:
-    def __init__(self, sock: socket.socket, status: int, headers: dict[str, str], rest: bytes,
+    """The answer to one POST: `data` is everything read so far, its head included (split_head
+    gave `status` and `headers`); llhttp is fed all of it and frames the body."""
+
+    def __init__(self, sock: socket.socket, status: int, headers: dict[str, str], data: bytes,
                  pool: Pool | None = None, key: tuple[str, int] = ("", 0)) -> None:
         self.sock, self.status, self.headers = sock, status, headers
         self.pool, self.key = pool, key
         self.reusable = False  # set when the body ended cleanly on a keep-alive connection
-        self._buf, self._done, self._need = rest, False, 0
-        if is_chunked(headers):
-            self._mode, self._left = "size", None
-        else:
-            self._mode = "plain"
-            self._left = content_length(headers)  # MalformedHead for anything but digits
-            self._done = self._left == 0
-            self.reusable = self._done
+        self.chunked = is_chunked(headers)
+        self._left = None if self.chunked else content_length(headers)  # MalformedHead for anything but digits
+        self._parser = httptools.HttpResponseParser(self)
+        self._body: list[bytes] = []
+        self._done = self._complete = False
+        self._after_chunk_header = False  # a chunk's size line came and none of its data yet
+        self._probing = False
+        try:
+            self._feed(data)
+        except UpstreamError as exc:  # nothing of the body was relayed yet: another member may be tried
+            raise UpstreamError(str(exc), started=False) from None
 
     def close(self) -> None:
         if self.reusable and self.pool is not None and self.headers.get("connection", "").lower() != "close":
@@ -85,11 +86,11 @@ class UpstreamResponse:
             yield piece
 
     async def read(self) -> bytes:
-        """The next part of the body: everything complete that has arrived, de-chunked; b"" once
-        the body has ended."""
+        """The next part of the body: everything that has arrived, de-chunked; b"" once the body
+        has ended."""
         while True:
-            out = self._decode()
-            if out or self._done:
+            if self._body or self._done:
+                out, self._body = b"".join(self._body), []
                 return out
             try:
                 more = await sockio.receive(self.sock, READ)
@@ -97,66 +98,69 @@ class UpstreamResponse:
                 raise UpstreamError(f"connection broke: {exc}", started=True) from None
             if not more:
                 self._end_of_stream()
-                return b""
-            self._buf += more
+            else:
+                self._feed(more)
+
+    def _feed(self, data: bytes) -> None:
+        if self._complete:
+            self.reusable = False  # bytes after the answer: the connection is not clean
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if self._complete:  # the answer ended and more came after it
+                self.reusable = False
+                return
+            what = "malformed chunked framing" if self.chunked else "a malformed answer"
+            raise UpstreamError(f"the worker sent {what} (llhttp: {exc})", started=True) from None
 
     def _end_of_stream(self) -> None:
         self._done = True
-        if self._mode == "trailer" or (self._mode == "plain" and self._left is None):
-            return  # a body that ends where the connection ends, or a missing final line
-        if self._mode == "plain":
+        if self._complete:
+            return
+        if self.chunked:
+            # A last chunk without its final empty line (llhttp waits for it): taken, as the whole
+            # body has come, but the connection is not reused. Told apart from a chunk whose data
+            # never came by feeding that line: a last chunk completes, a data chunk takes it as data.
+            if self._after_chunk_header:
+                self._probing = True
+                try:
+                    self._parser.feed_data(b"\r\n")
+                except httptools.HttpParserError:
+                    pass
+                self._probing = False
+                if self._complete:
+                    self.reusable = False
+                    return
+            raise UpstreamError("the worker closed the connection in the middle of its answer", started=True)
+        if self._left is not None:
             raise UpstreamError(f"connection closed {self._left} bytes before the end", started=True)
-        raise UpstreamError("the worker closed the connection in the middle of its answer", started=True)
+        # A body that ends where the connection ends.
 
-    def _decode(self) -> bytes:
-        buf = self._buf
-        if self._mode == "plain":
-            body, self._buf = buf, b""
-            if self._left is not None:
-                body = body[:self._left]
-                self._left -= len(body)
-                if self._left == 0:
-                    self._done = self.reusable = True
-            return body
-        out: list[bytes] = []
-        while True:
-            if self._mode == "data":
-                take = buf[:self._need]
-                if take:
-                    out.append(take)
-                    self._need -= len(take)
-                    buf = buf[len(take):]
-                if self._need:
-                    break
-                self._mode = "crlf"
-            elif self._mode == "crlf":
-                if len(buf) < 2:
-                    break
-                if buf[:2] != b"\r\n":
-                    raise UpstreamError("the worker sent malformed chunked framing (no CRLF after a chunk's data)",
-                                        started=True)
-                buf, self._mode = buf[2:], "size"
-            elif self._mode == "size":
-                end = buf.find(b"\r\n", 0, SIZE_LINE_MAX)
-                if end < 0:
-                    if len(buf) >= SIZE_LINE_MAX:
-                        raise UpstreamError(f"the worker sent a chunk-size line over {SIZE_LINE_MAX} bytes",
-                                            started=True)
-                    break
-                size_line = _CHUNK_SIZE.fullmatch(buf, 0, end)
-                if size_line is None:
-                    raise UpstreamError(f"the worker sent malformed chunked framing (chunk size "
-                                        f"{bytes(buf[:min(end, 40)])!r})", started=True)
-                buf = buf[end + 2:]
-                size = int(size_line.group(1), 16)
-                self._mode, self._need = ("trailer", 0) if size == 0 else ("data", size)
-            else:  # trailer: headers after the last chunk end with an empty line
-                if b"\r\n" in buf:
-                    # A clean end leaves the connection reusable.
-                    self._done, self.reusable = True, buf == b"\r\n"
-                break
-        self._buf = buf
-        return b"".join(out)
+    # httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self._complete:  # bytes of another answer after this one: the connection is not clean
+            self.reusable = False
+
+    def on_chunk_header(self) -> None:
+        self._after_chunk_header = True
+
+    def on_body(self, body: bytes) -> None:
+        if self._probing:
+            self._complete = False
+            raise UpstreamError("probe", started=True)  # the final line was taken as data: cut short
+        self._after_chunk_header = False
+        if self._left is not None:
+            self._left -= len(body)
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._probing:
+            self._complete = True
+            return
+        self._complete = self._done = True
+        self.reusable = self._parser.should_keep_alive()
 
 
 async def post(host: str, port: int, path: str, body: bytes, pool: Pool | None = None,
@@ -194,8 +198,8 @@ async def _exchange(sock: socket.socket, host: str, port: int, path: str, body: 
             if not more:
                 raise UpstreamError(f"{host}:{port} closed the connection without answering", started=False)
             buf += more
-        head, rest = split
-        return UpstreamResponse(sock, head.status, head.headers, rest, pool, key)
+        head, _ = split
+        return UpstreamResponse(sock, head.status, head.headers, buf, pool, key)
     except (trio.ClosedResourceError, OSError) as exc:
         sockio.close(sock)
         raise UpstreamError(f"{host}:{port}: {exc}", started=False) from None
