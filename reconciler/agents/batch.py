@@ -29,7 +29,7 @@ from wire.http import HeadTooLarge, MalformedHead, ResponseHead, split_head
 
 from reconciler.agents.errors import AgentProtocolError, NodeUnreachable
 from reconciler.core.desired import NodeSpec
-from reconciler.agents.sockio import numeric_family
+from net.sockio import numeric_family
 from reconciler.agents.transport import ANSWER_LIMIT, READ, AgentRequest
 
 

@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message
 from wire import live
 from wire.http import HeadTooLarge, MalformedHead, split_head
 
-from reconciler.agents import sockio
+from net import sockio
 from reconciler.agents.errors import AgentProtocolError, NodeUnreachable
 from reconciler.core.desired import NodeSpec
 

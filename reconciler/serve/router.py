@@ -24,8 +24,8 @@ from reconciler.core.desired import ClusterSpec, Desired
 from reconciler.serve.heartbeat import View
 from reconciler.serve.metrics import ServeMetrics
 from reconciler.serve import upstream
-from reconciler.serve.http1 import Refused
-from reconciler.serve.http1 import Request as Head
+from net.http1 import Refused
+from net.http1 import Request as Head
 from reconciler.serve.scrub import Scrubber, scrub_reason
 
 

@@ -24,11 +24,11 @@ from reconciler.serve.drains import DrainWatcher
 from reconciler.serve.leader import Roles
 from reconciler.agents.transport import SocketTransport
 from reconciler.serve.front import Front, connection_cap
-from reconciler.serve.http1 import Limits
+from net.http1 import Limits
 from reconciler.serve.heartbeat import Heartbeat, View
 from reconciler.serve.metrics import ServeMetrics
 from reconciler.serve.router import Router
-from reconciler.serve.streams import ServerTls, TlsFiles
+from net.streams import ServerTls, TlsFiles
 from reconciler.serve.overview import ViewCollector
 from reconciler.serve.ui.app import StatusPage, store_history
 

@@ -19,7 +19,7 @@ import trio
 
 from wire.http import HeadError, HeadTooLarge, content_length, is_chunked, split_head
 
-from reconciler.agents import sockio
+from net import sockio
 
 READ = 64 * 1024
 CONNECT_TIMEOUT = 5.0

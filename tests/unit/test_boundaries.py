@@ -1,4 +1,4 @@
-"""The architecture's arrows, enforced: `wire` and `host` import neither side, `reconciler` and `agent`
+"""The architecture's arrows, enforced: `wire`, `host` and `net` import neither side, `reconciler` and `agent`
 import each other never (only `wire` and `host`), and the pure core (the planner, its data types, all of `wire`)
 imports no I/O and has no async. Checked twice: by reading every file's imports, function-level ones
 included, and by importing the packages in a fresh interpreter and looking at what got loaded."""
@@ -15,10 +15,11 @@ import pytest
 
 from tests.conftest import ROOT
 
-PACKAGES = ("wire", "host", "reconciler", "agent")
+PACKAGES = ("wire", "host", "net", "reconciler", "agent")
 # host: what both sides ask of the local OS (too impure for wire), itself importing neither side.
-MAY_IMPORT = {"wire": {"wire"}, "host": {"host"}, "reconciler": {"reconciler", "wire", "host"},
-              "agent": {"agent", "wire", "host"}}
+# net: the one network layer (HTTP/1.1 codec, streams, server loop), below both sides, importing neither.
+MAY_IMPORT = {"wire": {"wire"}, "host": {"host"}, "net": {"net"}, "reconciler": {"reconciler", "wire", "host", "net"},
+              "agent": {"agent", "wire", "host", "net"}}
 WIRE = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "wire").rglob("*.py"))
 PURE = ["reconciler/planning/planner.py", "reconciler/planning/weights.py", "reconciler/planning/plan.py", "reconciler/core/observed.py",
         "reconciler/core/desired.py", "reconciler/core/diagnostics.py"] + WIRE

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from reconciler.serve.http1 import SLICE, Limits, Parser, Refused, Request, response_head
+from net.http1 import SLICE, Limits, Parser, Refused, Request, response_head
 
 TWO = (b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
        b"GET /b?q=1 HTTP/1.1\r\nHost: x:80\r\nConnection: close\r\n\r\n")

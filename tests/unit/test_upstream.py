@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from reconciler.agents import sockio
+from net import sockio
 from reconciler.serve.upstream import UpstreamError, UpstreamResponse
 
 EVENTS = [b"data: {\"a\": 1}\n\n", b"data: {\"b\": 22}\n\n", b"x" * 300, b"data: [DONE]\n\n"]

@@ -1,4 +1,4 @@
-"""The front's pure part: HTTP/1.1 requests parsed by httptools (llhttp) into whole requests, the
+"""The server's pure part (net/server.py): HTTP/1.1 requests parsed by httptools (llhttp) into whole requests, the
 limits one client is held to, and the bytes of every refusal. No sockets, no trio."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Limits:
     # at most this many bytes of what it sends next are kept (unparsed); beyond that it is not
     # read until the response ends, and TCP makes the client wait.
     read_ahead: int = 16 * 1024
-    max_connections: int | None = None  # None: derived from RLIMIT_NOFILE (front.connection_cap)
+    max_connections: int | None = None  # None: derived from RLIMIT_NOFILE (reconciler/serve/front.py connection_cap)
 
 
 class Refused(Exception):

@@ -1,4 +1,4 @@
-"""The front's client connections as byte streams: plain sockets on fleet's own fast path, or TLS
+"""A server's client connections as byte streams: plain sockets on fleet's own fast path, or TLS
 through trio.SSLStream with a certificate that SIGHUP can replace without a restart."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Protocol
 
 import trio
 
-from reconciler.agents import sockio
+from net import sockio
 
 log = logging.getLogger("fleet")
 

@@ -1,0 +1,365 @@
+"""An HTTP/1.1 server for an ASGI app: one trio task per connection, parsed by httptools.
+
+Written for the control plane's router (reconciler/serve/front.py), whose bench (bench/relay)
+showed hypercorn spending 0.8-1 ms of CPU on every request even for a three-message ASGI app and
+tens of microseconds on every relayed chunk. It does what fleet's servers need and no more:
+HTTP/1.1 with keep-alive and pipelining, parsed by httptools (llhttp, the parser uvicorn uses);
+the app called in the connection's own task; the response head held back until the first body
+bytes so that head and first chunk leave in one write; chunks framed without a per-chunk event
+object; `http.disconnect` delivered the moment the client goes away; TLS when given a
+certificate. No HTTP/2, websockets or lifespan.
+
+What a client can make it hold is bounded: one request being read, at most Limits.read_ahead
+bytes of the next while a response is in flight, and `cap` connections at once (the caller
+derives it from the process's descriptor limit), beyond which the connection waiting longest for
+a request gives its place, and when none waits the newest is answered 503 and closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from typing import Any, Callable
+from urllib.parse import unquote
+
+import trio
+from starlette.types import ASGIApp, Message
+
+from net import sockio
+from net.http1 import SLICE, Admit, Limits, Parser, Refused, Request, error_response, response_head
+from net.streams import ByteStream, PlainStream, ServerTls
+
+__all__ = ["Server", "Limits"]
+
+READ = 64 * 1024
+LINGER_MAX = 32  # busy refusals lingering at once (the caller's descriptor reserve counts them)
+LINGER_S = 1.0  # a refused client's bytes are read (and dropped) this long, so the 503 is not reset
+# After a refusal on a connection (a 401 before the body, a 413), at most this much more of what
+# the client sends is read and dropped (within LINGER_S) before closing: enough for the refusal
+# to reach a client that is still sending, not enough to take in the body it refused.
+REFUSED_LINGER_BYTES = 64 * 1024
+
+
+class ClientGone(Exception):
+    """The client closed its side; nothing more can be sent."""
+
+
+class Server:
+    """`on_drop(reason)` is told of every connection dropped to stay within the cap: "evicted"
+    (the one waiting longest for a request, closed to admit a new one) or "refused" (every
+    connection busy: 503 too_many_connections, or a plain close on a TLS port). `admit` sees each
+    request's head before its body is read (http1.Parser): the router's API key check. `name`
+    is the server's in its refusals ("fleet serve"), `cap_hint` what its busy warning says sets
+    the cap, `log` where it logs."""
+
+    def __init__(self, app: ASGIApp, limits: Limits | None = None, *, cap: int, tls: ServerTls | None = None,
+                 on_drop: Callable[[str], None] | None = None, admit: Admit | None = None,
+                 name: str = "the server", cap_hint: str = "", log: logging.Logger | None = None) -> None:
+        self.app = app
+        self.admit = admit
+        self.limits = limits or Limits()
+        self.cap = cap
+        self.name, self.cap_hint = name, cap_hint
+        self.log = log or logging.getLogger("fleet")
+        self.tls = tls
+        self.on_drop = on_drop or (lambda reason: None)
+        self.live = 0  # connections counted against the cap
+        # Connections waiting for a request (idle, or a request still arriving), the one waiting
+        # longest first: the first to go when a new connection needs a place.
+        self.waiting: dict[Connection, trio.CancelScope] = {}
+        self.lingering = 0
+        self.warned_at = -math.inf
+        self.closing = False
+
+    @staticmethod
+    def listen(host: str, port: int) -> list[socket.socket]:
+        """Bind first, outside any nursery, so that a port in use is a plain OSError for the caller."""
+        return sockio.listen(host, port)
+
+    async def serve(self, listeners: list[socket.socket], stop: trio.Event) -> None:
+        """Serve until `stop` is set; then stop accepting, close idle connections, let in-flight
+        requests finish within the grace period, and cut what is left."""
+        try:
+            async with trio.open_nursery() as connections:
+                async with trio.open_nursery() as accepting:
+                    for listener in listeners:
+                        accepting.start_soon(self._accept, listener, connections)
+                    await stop.wait()
+                    accepting.cancel_scope.cancel()
+                for listener in listeners:
+                    sockio.close(listener)
+                self.closing = True
+                for conn, scope in list(self.waiting.items()):
+                    if conn.idle:
+                        scope.cancel()
+                connections.cancel_scope.deadline = trio.current_time() + self.limits.grace
+        finally:
+            for listener in listeners:
+                sockio.close(listener)
+
+    async def _accept(self, listener: socket.socket, connections: trio.Nursery) -> None:
+        while True:
+            try:
+                sock = await sockio.accept(listener)
+            except OSError as exc:  # EMFILE and the like: say so, back off, keep serving
+                self.log.warning("accept failed: %s", exc)
+                await trio.sleep(0.1)
+                continue
+            if self.live >= self.cap and not self.evict():
+                self.refuse_busy(sock, connections)
+                continue
+            self.live += 1
+            connections.start_soon(self.connection, sock)
+
+    def evict(self) -> bool:
+        """Close the connection waiting longest for a request to make room; False if none waits."""
+        if not self.waiting:
+            return False
+        conn = next(iter(self.waiting))
+        self.waiting.pop(conn).cancel()
+        conn.counted = False
+        self.live -= 1
+        self.on_drop("evicted")
+        return True
+
+    def refuse_busy(self, sock: socket.socket, connections: trio.Nursery) -> None:
+        self.on_drop("refused")
+        now = trio.current_time()
+        if now - self.warned_at > 10:
+            self.warned_at = now
+            self.log.warning("refusing connections: all %d allowed are busy%s", self.cap, self.cap_hint)
+        if self.tls is not None or self.lingering >= LINGER_MAX:
+            sockio.close(sock)  # a 503 over TLS would cost a handshake first
+            return
+        connections.start_soon(self._refuse_busy, sock)
+
+    async def _refuse_busy(self, sock: socket.socket) -> None:
+        self.lingering += 1
+        try:
+            with trio.move_on_after(LINGER_S):
+                await sockio.send(sock, error_response(
+                    503, f"{self.name} is at its limit of {self.cap} connections, all busy; retry shortly",
+                    "too_many_connections", b"retry-after: 1\r\n"))
+                sock.shutdown(socket.SHUT_WR)
+                # Take what the client sent: closing with unread bytes would reset the
+                # connection and could destroy the answer before it is read.
+                while await sockio.receive(sock, READ):
+                    pass
+        except OSError:
+            pass
+        finally:
+            self.lingering -= 1
+            sockio.close(sock)
+
+    async def connection(self, sock: socket.socket) -> None:
+        conn = Connection(self, self.tls.wrap(sock) if self.tls is not None else PlainStream(sock))
+        try:
+            await conn.run()
+        finally:
+            conn.stream.close()
+            self.waiting.pop(conn, None)
+            if conn.counted:
+                self.live -= 1
+
+
+class Connection:
+    """One client connection: its stream, its parser, and the bytes read ahead but not parsed."""
+
+    def __init__(self, front: Server, stream: ByteStream) -> None:
+        self.front, self.stream = front, stream
+        self.parser = Parser(front.limits, front.admit)
+        self.pending = bytearray()  # read, not yet parsed: at most Limits.read_ahead while a response runs
+        self.counted = True  # against the front's cap (until evicted)
+
+    @property
+    def idle(self) -> bool:
+        return self.parser.current is None and not self.parser.ready and not self.pending
+
+    async def run(self) -> None:
+        limits = self.front.limits
+        try:
+            with trio.CancelScope() as handshake:  # a TLS handshake in progress can make room too
+                self.front.waiting[self] = handshake
+                try:
+                    await self.stream.start(limits.read_timeout)
+                finally:
+                    self.front.waiting.pop(self, None)
+            if handshake.cancelled_caught:
+                return
+            while not self.front.closing:
+                request = await self.next_request()
+                if request is None:
+                    return
+                exchange = Exchange(self, request)
+                await exchange.run()
+                if not exchange.keep_alive:
+                    return
+        except Refused as exc:
+            await self.refuse(exc.status, str(exc), exc.code)
+        except trio.TooSlowError:
+            await self.refuse(408, f"the request did not arrive within {limits.read_timeout:g}s", "request_timeout")
+        except (OSError, trio.ClosedResourceError, ClientGone):
+            return
+
+    async def next_request(self) -> Request | None:
+        """The next whole request; None when the client closes, stays idle past keep_alive, or
+        the connection is closed to make room (evicted) or for shutdown."""
+        parser, limits = self.parser, self.front.limits
+        head_deadline = math.inf
+        with trio.CancelScope() as waiting:
+            self.front.waiting[self] = waiting
+            try:
+                while True:
+                    parser.feed_some(self.pending)
+                    current = parser.current
+                    if current is not None and current.head_done and not current.continued:
+                        current.continued = True
+                        await self.stream.send(b"HTTP/1.1 100 Continue\r\n\r\n", limits.write_timeout)
+                    if parser.ready:
+                        return parser.ready.popleft()
+                    if parser.refused is not None:  # met behind requests now answered
+                        raise parser.refused
+                    if current is not None:
+                        # The head must be whole within read_timeout of its first byte (a client
+                        # that sends a byte now and then cannot hold a connection forever); a body
+                        # must keep arriving, a read at least every read_timeout.
+                        if not current.head_done and head_deadline == math.inf:
+                            head_deadline = trio.current_time() + limits.read_timeout
+                        deadline = head_deadline if not current.head_done else trio.current_time() + limits.read_timeout
+                        with trio.fail_at(deadline):
+                            data = await self.stream.receive(READ)
+                    else:
+                        with trio.move_on_after(limits.keep_alive) as idle:
+                            data = await self.stream.receive(READ)
+                        if idle.cancelled_caught:
+                            return None
+                    if not data:
+                        return None
+                    if len(data) <= SLICE:
+                        parser.feed(data)  # the usual case: one request in one read, parsed as it is
+                    else:
+                        self.pending += data
+            finally:
+                self.front.waiting.pop(self, None)
+        return None
+
+    async def refuse(self, status: int, message: str, code: str) -> None:
+        """Answer with a JSON error and `connection: close` (the caller closes). What the client
+        is still sending (the body of a request refused by its head) is not taken in: at most
+        REFUSED_LINGER_BYTES more are read and dropped, so that closing with them unread does
+        not reset the connection before the answer is delivered; then the caller closes."""
+        try:
+            await self.stream.send(error_response(status, message, code), self.front.limits.write_timeout)
+            self.stream.end_send()
+            with trio.move_on_after(LINGER_S):
+                dropped = 0
+                while dropped < REFUSED_LINGER_BYTES:
+                    data = await self.stream.receive(min(READ, REFUSED_LINGER_BYTES - dropped))
+                    if not data:
+                        break
+                    dropped += len(data)
+        except (OSError, trio.ClosedResourceError, trio.TooSlowError):
+            pass
+
+
+class Exchange:
+    """One request and its response: the ASGI scope, receive and send of a single call of the app."""
+
+    def __init__(self, conn: Connection, request: Request) -> None:
+        self.front, self.conn, self.stream, self.request = conn.front, conn, conn.stream, request
+        self.keep_alive = request.keep_alive
+        self.head: bytes | None = None
+        self.started = False      # bytes of the response went out
+        self.body_sent = False
+        self.finished = False
+        self.gone = False
+        self.ended: trio.Event | None = None  # made when a receive() has to wait for the end
+        self.chunked = False
+        self.no_body = request.method == b"HEAD"
+
+    def scope(self) -> dict[str, Any]:
+        path, _, query = self.request.target.partition(b"?")
+        client, server = self.stream.addresses()
+        return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+                "http_version": self.request.version, "method": self.request.method.decode("latin-1"),
+                "scheme": self.stream.scheme, "path": unquote(path.decode("latin-1")), "raw_path": path,
+                "query_string": query, "root_path": "", "headers": self.request.headers,
+                "client": client, "server": server, "state": {}}
+
+    async def run(self) -> None:
+        try:
+            await self.front.app(self.scope(), self.receive, self.send)
+        except ClientGone:
+            raise
+        except Exception:
+            self.front.log.exception("error while answering %s %s", self.request.method.decode("latin-1"),
+                          self.request.target.decode("latin-1"))
+            if not self.started:
+                self.keep_alive = False
+                await self.conn.refuse(500, f"internal error in {self.front.name} (see its log)", "internal_error")
+                return
+        if not self.started:
+            self.keep_alive = False
+            await self.conn.refuse(500, f"{self.front.name} sent no response", "internal_error")
+        elif not self.finished:
+            raise ClientGone()  # a response cut short cannot be completed on this connection
+
+    async def receive(self) -> Message:
+        if not self.body_sent:
+            self.body_sent = True
+            return {"type": "http.request", "body": b"".join(self.request.body), "more_body": False}
+        # After the body, receive() waits for the client to go away (ASGI apps use it to stop
+        # work nobody will read). What the client sends meanwhile is kept unparsed, up to
+        # read_ahead bytes; then the socket is left alone until the response ends (TCP holds the
+        # client back), and a client that leaves is noticed by the next send instead.
+        conn, limit = self.conn, self.front.limits.read_ahead
+        while not (self.gone or self.finished):
+            room = limit - len(conn.pending)
+            if room <= 0:
+                self.ended = self.ended or trio.Event()
+                await self.ended.wait()
+                break
+            try:
+                data = await self.stream.receive(min(READ, room))
+            except (OSError, trio.ClosedResourceError):
+                data = b""
+            if not data:
+                self.gone = True
+                break
+            conn.pending += data
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        if self.gone:
+            raise ClientGone()
+        kind = message["type"]
+        if kind == "http.response.start" and self.head is None:
+            framing = response_head(message["status"], message.get("headers", []), self.request.version,
+                                    keep_alive=self.keep_alive, no_body=self.no_body)
+            self.head, self.chunked, self.keep_alive, self.no_body = framing
+            return
+        if kind != "http.response.body" or self.head is None or self.finished:
+            raise RuntimeError(f"unexpected ASGI message {kind!r}")
+        out = b"" if self.started else self.head  # the head leaves with the first body bytes
+        data = message.get("body", b"")
+        if data and not self.no_body:
+            out += b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data
+        if not message.get("more_body", False):
+            self.finished = True
+            if self.chunked:
+                out += b"0\r\n\r\n"
+        if out:
+            self.started = True
+            try:
+                await self.stream.send(out, self.front.limits.write_timeout)
+            except (OSError, trio.ClosedResourceError, trio.TooSlowError):
+                self.gone = True
+                self._ended()
+                raise ClientGone() from None
+        if self.finished:
+            self._ended()
+
+    def _ended(self) -> None:
+        if self.ended is not None:
+            self.ended.set()
