@@ -1,14 +1,35 @@
 """What a batched engine's thread and the HTTP side share for one request: its tokens on their way
 to the reader (at most `capacity` waiting: the engine sets the request aside rather than overfill
-it) and how it ended. Used by the PyTorch engine's and the llama.cpp engine's decode loops alike."""
+it), how it ended, and the sampling it asked for. Used by the PyTorch engine's and the llama.cpp
+engine's decode loops alike (and the pipeline's, through the PyTorch engine's Job)."""
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar
 
 Notify = Callable[[Callable[[], None]], None]  # run a callback on the reader's event loop, from any thread
+J = TypeVar("J")
+
+# An idle engine waits for requests arriving with the first (a burst reaches it one HTTP request at a
+# time, 1-10 ms apart on a busy machine) while the HTTP side reads one (`coming`) or they keep
+# coming QUIET_S apart, GATHER_S at most: one prefill for all of them is one pass over the weights,
+# not one more per straggler. A lone request pays QUIET_S.
+QUIET_S, GATHER_S = 0.005, 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """A request's sampling: at most `max_new` tokens; temperature 0 is greedy (the argmax)."""
+
+    max_new: int
+    temperature: float
+    top_p: float
+    seed: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,3 +94,41 @@ class Outbox:
             await self._ready.wait()
         self._kick()  # the engine may be waiting for this reader to make room
         return tokens, end
+
+
+class Arrivals(Generic[J]):
+    """Requests on their way from the HTTP side to an engine's thread, which takes them at its step
+    boundaries, and the event that wakes it (`kicked`: a request, a reader that made room, a cancel).
+    `put`, `kick` and `coming` come from other threads; `take` and `gather` run on the engine's."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[J] = queue.SimpleQueue()
+        self.kicked = threading.Event()
+        self.arrived = 0.0  # perf_counter of the latest put
+        self.coming = 0  # requests the HTTP side is reading (changed on its loop only)
+
+    def put(self, job: J) -> None:
+        self.arrived = time.perf_counter()
+        self._queue.put(job)
+        self.kicked.set()
+
+    def kick(self) -> None:
+        self.kicked.set()
+
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def take(self, into: deque[J]) -> None:
+        """Every request arrived so far, appended in order."""
+        while True:
+            try:
+                into.append(self._queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def gather(self, into: deque[J]) -> None:
+        """An idle engine's wait for a burst's others (QUIET_S, GATHER_S above), then `take`."""
+        end = time.perf_counter() + GATHER_S
+        while (now := time.perf_counter()) < end and (self.coming > 0 or now - self.arrived < QUIET_S):
+            time.sleep(QUIET_S / 2)
+        self.take(into)

@@ -34,8 +34,8 @@ from starlette.routing import Route
 
 from agent.auth import worker_guard
 from agent.backends import openai_wire as wire
-from agent.backends.llama_cpp.engine import PREFILL_CHUNK, Engine, Job, Model, Params
-from agent.backends.outbox import End, Outbox
+from agent.backends.llama_cpp.engine import PREFILL_CHUNK, Engine, Job, Model
+from agent.backends.outbox import End, Outbox, Params
 from agent.backends.torch.text import Text
 from agent.weights.sealed import guard_worker
 

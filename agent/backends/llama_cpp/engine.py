@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import queue
 import secrets
 import sys
 import threading
@@ -31,21 +30,12 @@ from typing import Any
 import llama_cpp as L
 import numpy as np
 
-from agent.backends.outbox import End, Outbox
+from agent.backends.outbox import Arrivals, End, Outbox, Params
 
-QUIET_S, GATHER_S = 0.005, 0.05  # as the PyTorch engine: an idle engine waits briefly for a burst's others
 PREFILL_CHUNK = 256  # prompt tokens one step takes at most, beside the running rows' next tokens
 MAX_PARALLEL = 16  # sequences by default at most (fewer when their KV cache would not fit)
 MIN_PREFIX = 8  # prompt tokens in common with the cached prompt worth copying rather than computing
 KV_SHARE = 4  # the default `parallel` keeps every sequence's whole KV cache under 1/KV_SHARE of free memory
-
-
-@dataclass(frozen=True, slots=True)
-class Params:
-    max_new: int
-    temperature: float
-    top_p: float
-    seed: int | None
 
 
 @dataclass(eq=False)
@@ -228,10 +218,7 @@ class Engine:
 
     def __init__(self, model: Model) -> None:
         self.m = model
-        self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
-        self._kick = threading.Event()
-        self._arrived = 0.0
-        self._coming = 0
+        self._arrivals: Arrivals[Job] = Arrivals()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []  # admitted, in order: prefilling or decoding
         self._free = list(range(model.parallel - 1, -1, -1))
@@ -255,19 +242,17 @@ class Engine:
         self._thread.start()
 
     def kick(self) -> None:
-        self._kick.set()
+        self._arrivals.kick()
 
     def coming(self, n: int) -> None:
-        self._coming += n
+        self._arrivals.coming += n
 
     def submit(self, job: Job) -> None:
-        self._arrived = time.perf_counter()
-        self._queue.put(job)
-        self._kick.set()
+        self._arrivals.put(job)
 
     def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "widest_step": self.widest, "set_aside": self.set_aside,
-                "rows": len(self._running), "waiting": len(self._waiting) + self._queue.qsize(),
+                "rows": len(self._running), "waiting": len(self._waiting) + self._arrivals.pending(),
                 "parallel": self.m.parallel, "free_sequences": len(self._free), "sequences_freed": self.freed,
                 "prefills": self.prefills, "prefill_tokens": self.prefill_tokens, "prefix_hits": self.prefix_hits, "prefix_hit_tokens": self.prefix_hit_tokens,
                 "prefill_cpu_s": round(self.prefill_cpu_s, 3), "decode_cpu_s": round(self.decode_cpu_s, 3),
@@ -277,7 +262,7 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            self._kick.clear()  # before looking, so that a kick after the look is not lost
+            self._arrivals.kicked.clear()  # before looking, so that a kick after the look is not lost
             try:
                 worked = self._once()
             except Exception as exc:  # a bug or the device failing: the requests in flight fail, the loop goes on
@@ -285,19 +270,12 @@ class Engine:
                 self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
                 worked = True
             if not worked:
-                self._kick.wait()
-
-    def _take(self) -> None:
-        while True:
-            try:
-                self._waiting.append(self._queue.get_nowait())
-            except queue.Empty:
-                return
+                self._arrivals.kicked.wait()
 
     def _once(self) -> bool:
-        self._take()
+        self._arrivals.take(self._waiting)
         if not self._running and self._waiting:
-            self._gather()
+            self._arrivals.gather(self._waiting)
         for job in [j for j in self._waiting if j.cancelled]:
             self._waiting.remove(job)
             self._end(job, "stop")
@@ -310,12 +288,6 @@ class Engine:
             job.sampler = self._sampler(job.params)
             self._running.append(job)
         return self._step()
-
-    def _gather(self) -> None:
-        end = time.perf_counter() + GATHER_S
-        while (now := time.perf_counter()) < end and (self._coming > 0 or now - self._arrived < QUIET_S):
-            time.sleep(QUIET_S / 2)
-        self._take()
 
     def _reuse(self, job: Job) -> None:
         """Copy the opening the job's prompt shares with the cached one (the last token is always

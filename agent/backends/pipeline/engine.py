@@ -11,7 +11,6 @@ steps is in flight. A newcomer is prefilled as a batch of its own, then joins a 
 from __future__ import annotations
 
 import json
-import queue
 import secrets
 import threading
 from collections import deque
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 
+from agent.backends.outbox import Arrivals
 from agent.backends.pipeline.link import Link, LinkError
 from agent.backends.pipeline.rows import Ledger
 from agent.backends.torch.engine import Job
@@ -51,8 +51,7 @@ class PipelineEngine:
         self.failed: str | None = None
         self._lock = threading.Lock()
         self._live: set[Job] = set()  # every job not yet ended and forgotten: what a failure must end
-        self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
-        self._kick = threading.Event()
+        self._arrivals: Arrivals[Job] = Arrivals()
         self._waiting: deque[Job] = deque()
         self._batches: dict[int, list[Job]] = {}  # as the ledger's members, by job
         self._rid: dict[Job, int] = {}
@@ -76,17 +75,16 @@ class PipelineEngine:
                 job.end("error", error=self.failed, code=STAGE_FAILED)
                 return
             self._live.add(job)
-        self._queue.put(job)
-        self._kick.set()
+        self._arrivals.put(job)
 
     def kick(self) -> None:
-        self._kick.set()
+        self._arrivals.kick()
 
     def stats(self) -> dict[str, int]:
         # list() copies in one step under the GIL: the engine thread may be changing the batches.
         return {"steps": self.steps, "widest_step": self.widest, "set_aside": self.set_aside,
                 "rows": sum(map(len, list(self._batches.values()))), "lanes": len(self._lanes),
-                "waiting": len(self._waiting) + self._queue.qsize(), "in_flight": len(self._flight),
+                "waiting": len(self._waiting) + self._arrivals.pending(), "in_flight": len(self._flight),
                 "compute_us": self.ledger.busy_ns // 1000,
                 **self.link.stats()}
 
@@ -98,7 +96,7 @@ class PipelineEngine:
         for job in jobs:
             if not job.ended:
                 job.end("error", error=reason, code=STAGE_FAILED)
-        self._kick.set()
+        self._arrivals.kick()
 
     # The stage's thread.
 
@@ -112,19 +110,15 @@ class PipelineEngine:
         if self.threads:  # the intra-op thread count is per thread with some OpenMP builds
             torch.set_num_threads(self.threads)
         while self.failed is None:
-            self._kick.clear()  # before looking, so that a kick after the look is not lost
+            self._arrivals.kicked.clear()  # before looking, so that a kick after the look is not lost
             with torch.inference_mode():
                 worked = self._once()
-            if not worked and not self._kick.wait(self.tick_s) and self.failed is None:
+            if not worked and not self._arrivals.kicked.wait(self.tick_s) and self.failed is None:
                 self._send(None, "t", (), None, None)
                 self._receive()
 
     def _once(self) -> bool:
-        while True:
-            try:
-                self._waiting.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
+        self._arrivals.take(self._waiting)
         for job in [j for j in self._waiting if j.cancelled]:
             self._waiting.remove(job)
             job.end("stop")

@@ -11,7 +11,6 @@ lookup) goes through transformers' generate, one request at a time.
 
 from __future__ import annotations
 
-import queue
 import secrets
 import sys
 import threading
@@ -23,90 +22,11 @@ from typing import Any, Callable
 
 import torch
 
+from agent.backends.outbox import Arrivals, End, Outbox, Params
 from agent.backends.torch.layers import Rows, Stack
 from agent.backends.torch.prefix import PREFIX_TOKENS, Prefill
 
 PREFILL_TOKENS = 4096  # prompt tokens prefilled in one forward at most (a long prompt still goes alone)
-# An idle engine waits for requests arriving with the first (a burst reaches it one HTTP request at a
-# time, 1-10 ms apart on a busy machine) while the HTTP side reads one (`coming`) or they keep
-# coming QUIET_S apart, GATHER_S at most: one prefill for all of them is one pass over the weights,
-# not one more per straggler. A lone request pays QUIET_S.
-QUIET_S, GATHER_S = 0.005, 0.05
-Notify = Callable[[Callable[[], None]], None]  # run a callback on the reader's event loop, from any thread
-
-
-@dataclass(frozen=True, slots=True)
-class End:
-    """How a request ended: `reason` is stop, length or error (then `error` says what went wrong,
-    and `code` is the stable code a client gets with it)."""
-
-    reason: str
-    completion_tokens: int
-    error: str | None = None
-    code: str = "engine_failed"
-
-
-@dataclass(frozen=True, slots=True)
-class Params:
-    max_new: int
-    temperature: float
-    top_p: float
-    seed: int | None
-
-
-class Outbox:
-    """One request's tokens on their way from the engine thread to its reader, at most `capacity`
-    waiting: the engine sets the request aside rather than overfill it (backpressure, no loss)."""
-
-    def __init__(self, capacity: int, notify: Notify, kick: Callable[[], None]) -> None:
-        self.capacity = capacity
-        self._notify, self._kick = notify, kick
-        self._lock = threading.Lock()
-        self._tokens: list[int] = []
-        self._end: End | None = None
-        self._ready: Any = None  # the reader's trio.Event, touched only on the reader's loop
-
-    # Engine side (any thread).
-
-    def waiting(self) -> int:
-        with self._lock:
-            return len(self._tokens)
-
-    def put(self, tokens: list[int], end: End | None = None) -> None:
-        with self._lock:
-            self._tokens.extend(tokens)
-            if end is not None:
-                self._end = end
-        try:
-            self._notify(self._wake)
-        except RuntimeError:  # the reader's loop is gone (shutting down): nobody to tell
-            pass
-
-    def kick(self) -> None:
-        self._kick()
-
-    def _wake(self) -> None:
-        if self._ready is not None:
-            self._ready.set()
-
-    # Reader side (the trio loop).
-
-    async def get(self) -> tuple[list[int], End | None]:
-        """The tokens so far (possibly none) and the end once it came; waits while there is neither."""
-        import trio
-
-        while True:
-            with self._lock:
-                tokens, end = self._tokens, self._end
-                if tokens or end is not None:
-                    self._tokens = []
-                    break
-            self._ready = trio.Event()  # replaced before each look: a put after the look sets this one
-            await self._ready.wait()
-        self._kick()  # the engine may be waiting for this reader to make room
-        return tokens, end
-
-
 @dataclass(eq=False)
 class Job:
     """A request inside the engine."""
@@ -140,10 +60,7 @@ class Engine:
         self.stack, self.eos, self.max_batch, self.solo, self.threads = stack, frozenset(eos), max_batch, solo, threads
         self.prefill_tokens = PREFILL_TOKENS
         self.prefill = Prefill(stack, prefix_tokens)
-        self._queue: queue.SimpleQueue[Job] = queue.SimpleQueue()
-        self._kick = threading.Event()
-        self._arrived = 0.0  # perf_counter of the latest submit
-        self._coming = 0  # requests the HTTP side is reading (changed on its loop only)
+        self._arrivals: Arrivals[Job] = Arrivals()
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []  # the rows of self._rows, in order
         self._rows: Rows | None = None
@@ -159,20 +76,18 @@ class Engine:
         self._thread.start()
 
     def kick(self) -> None:
-        self._kick.set()
+        self._arrivals.kick()
 
     def stats(self) -> dict[str, float]:
         return {"steps": self.steps, "widest_step": self.widest, "set_aside": self.set_aside,
-                "rows": len(self._active) + len(self._aside), "waiting": len(self._waiting) + self._queue.qsize(),
+                "rows": len(self._active) + len(self._aside), "waiting": len(self._waiting) + self._arrivals.pending(),
                 "prefill_s": round(self.prefill_s, 3), "decode_s": round(self.decode_s, 3), **self.prefill.stats()}
 
     def coming(self, n: int) -> None:
-        self._coming += n
+        self._arrivals.coming += n
 
     def submit(self, job: Job) -> None:
-        self._arrived = time.perf_counter()
-        self._queue.put(job)
-        self._kick.set()
+        self._arrivals.put(job)
 
     # The engine thread.
 
@@ -180,7 +95,7 @@ class Engine:
         if self.threads:  # the intra-op thread count is per thread with some OpenMP builds: set it here too
             torch.set_num_threads(self.threads)
         while True:
-            self._kick.clear()  # before looking, so that a kick after the look is not lost
+            self._arrivals.kicked.clear()  # before looking, so that a kick after the look is not lost
             try:
                 worked = self._once()
             except Exception as exc:  # a bug or the device failing: the requests in flight fail, the loop goes on
@@ -188,14 +103,10 @@ class Engine:
                 self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
                 worked = True
             if not worked:
-                self._kick.wait()
+                self._arrivals.kicked.wait()
 
     def _once(self) -> bool:
-        while True:
-            try:
-                self._waiting.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
+        self._arrivals.take(self._waiting)
         for job in [j for j in self._waiting if j.cancelled]:
             self._waiting.remove(job)
             job.end("stop")
@@ -213,23 +124,13 @@ class Engine:
                     job.end("length" if job.made >= job.params.max_new else "stop")
             return True
         if not self._active and self._waiting:
-            self._gather()
+            self._arrivals.gather(self._waiting)
         self._admit()
         self._regroup()
         if not self._active:
             return bool(self._waiting) and len(self._aside) < self.max_batch
         self._step()
         return True
-
-    def _gather(self) -> None:
-        end = time.perf_counter() + GATHER_S
-        while (now := time.perf_counter()) < end and (self._coming > 0 or now - self._arrived < QUIET_S):
-            time.sleep(QUIET_S / 2)
-        while True:
-            try:
-                self._waiting.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
 
     def _admit(self) -> None:
         """Prefill every request that fits, together, and hand each its first token."""

@@ -29,7 +29,8 @@ from starlette.routing import Route
 from agent.auth import worker_guard
 from agent.weights.sealed import guard_worker, held_memfds
 from agent.backends import openai_wire as wire
-from agent.backends.torch.engine import End, Engine, Job, Outbox, Params, speculative
+from agent.backends.outbox import End, Outbox, Params
+from agent.backends.torch.engine import Engine, Job, speculative
 from agent.backends.torch.prefix import PREFIX_TOKENS
 from agent.backends.torch.text import Text
 
