@@ -196,6 +196,15 @@ def test_malformed_bodies_are_400_without_trace_or_path(tiny: Worker, body: byte
     assert "Traceback" not in r.text and str(tiny.model) not in r.text and "/" not in r.json()["error"]["message"]
 
 
+def test_a_body_past_the_limit_is_413_before_it_is_parsed(tiny: Worker) -> None:
+    from agent.backends.openai_app import MAX_BODY
+
+    r = httpx.post(tiny.url + "/v1/completions", content=b"{" + b" " * MAX_BODY + b"}",
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
+    assert completion(tiny, "The fleet", 4, temperature=0)[2] == 4  # and the worker goes on
+
+
 def test_a_slow_reader_gets_every_token_and_stalls_no_one(tiny: Worker) -> None:
     body = {"prompt": "The fleet", "max_tokens": 240, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}

@@ -22,25 +22,18 @@ import argparse
 import json
 import sys
 import time
-import traceback
-from typing import Any, AsyncIterator
+from typing import Any
 
 import trio
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from agent.auth import worker_guard
 from agent.backends import openai_wire as wire
+from agent.backends.openai_app import create_app
 from agent.backends.llama_cpp.engine import PREFILL_CHUNK, Engine, Job, Model
-from agent.backends.outbox import End, Outbox, Params
-from agent.backends.torch.text import Text
+from agent.backends.outbox import Outbox, Params
 from agent.weights.sealed import guard_worker
 
 STREAM_BUFFER = 64  # tokens a reader may fall behind before its request waits for it
-MAX_BODY = 32 << 20
 LOOKUP = "prompt-lookup-decoding"  # llama_cpp.server's --draft_model value for prompt lookup
 
 
@@ -60,6 +53,10 @@ class Served:
             self.template = Jinja2ChatFormatter(source, eos_token=model.token_text(model.eos),
                                                 bos_token=model.token_text(model.bos))
         self.engine.start()
+
+    @property
+    def tokenizer(self) -> Model:
+        return self.model  # what Text decodes with: the GGUF's vocabulary
 
     def tokens(self, ask: wire.Ask) -> list[int]:
         if not ask.chat:
@@ -87,138 +84,6 @@ class Served:
                         seed=s.seed)
         token = trio.lowlevel.current_trio_token()
         return Job(ids, params, Outbox(self.stream_buffer, token.run_sync_soon, self.engine.kick))
-
-
-async def _pieces(job: Job, text: Text) -> AsyncIterator[tuple[str, End | None]]:
-    """The request's text as it comes, then its end (a stop string ends it early: the engine is told)."""
-    while True:
-        tokens, end = await job.outbox.get()
-        piece, stopped = text.add(tokens)
-        if stopped:
-            job.cancel()
-            yield piece, End("stop", text.count)
-            return
-        if end is not None:
-            yield piece + text.flush(), End(end.reason, max(end.completion_tokens, text.count), end.error, end.code)
-            return
-        if piece:
-            yield piece, None
-
-
-def _error(status: int, message: str, code: str | None, type: str = "invalid_request_error",
-           param: str | None = None) -> JSONResponse:
-    return JSONResponse(wire.error(message, type, param, code), status_code=status)
-
-
-async def _body(request: Request) -> bytes | None:
-    """The request's body, None past MAX_BODY."""
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > MAX_BODY:
-            return None
-        parts.append(part)
-    return b"".join(parts)
-
-
-def create_app(served: Served) -> Starlette:
-    async def health(_: Request) -> Response:
-        return JSONResponse({"status": "ok", "engine": served.engine.stats()})
-
-    async def models(_: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [wire.model_entry(served.name, served.created)]})
-
-    async def model(request: Request) -> Response:
-        wanted = request.path_params["model_id"]
-        if wanted not in (served.name, served.name.lstrip("/")):
-            return _error(404, f"The model '{wanted}' does not exist", "model_not_found", param="model")
-        return JSONResponse(wire.model_entry(served.name, served.created))
-
-    async def run(request: Request, chat: bool) -> Response:
-        served.engine.coming(1)  # an idle engine waits for a request on its way: a burst prefills together
-        try:
-            raw = await _body(request)
-            if raw is None:
-                return _error(413, f"the body is larger than {MAX_BODY} bytes", "request_too_large")
-            ask = wire.parse(raw, chat)
-            job = served.job(ask, served.tokens(ask))
-            served.engine.submit(job)
-        except wire.BadRequest as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        finally:
-            served.engine.coming(-1)
-        cid, created = wire.new_id("chatcmpl" if chat else "cmpl"), int(time.time())
-        text = Text(served.model, ask.sampling.stop)
-        if not ask.stream:
-            return await _whole(request, job, text, cid, created, chat)
-        chunks = wire.Chunks(cid, created, served.name, chat, ask.include_usage)
-
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                if chat:
-                    yield wire.sse(chunks.role())
-                async for piece, end in _pieces(job, text):
-                    if end is not None and end.reason == "error":
-                        yield wire.sse(wire.error(end.error or "the engine failed", "server_error", None, end.code))
-                        yield wire.DONE
-                        return
-                    if piece:
-                        yield wire.sse(chunks.delta(piece))
-                    if end is not None:
-                        yield wire.sse(chunks.delta("", end.reason))
-                        if ask.include_usage:
-                            yield wire.sse(chunks.usage(len(job.prompt), end.completion_tokens))
-                yield wire.DONE
-            finally:
-                job.cancel()  # the client left, or we are done: either way the engine frees the sequence
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def _whole(request: Request, job: Job, text: Text, cid: str, created: int, chat: bool) -> Response:
-        parts: list[str] = []
-        ended: End | None = None
-        async with trio.open_nursery() as nursery:
-            async def watch() -> None:  # a client that hangs up frees the sequence even without a stream
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                job.cancel()
-            nursery.start_soon(watch)
-            async for piece, end in _pieces(job, text):
-                parts.append(piece)
-                ended = end
-            nursery.cancel_scope.cancel()
-        assert ended is not None
-        if ended.reason == "error":
-            return _error(500, ended.error or "the engine failed", ended.code, "server_error")
-        return JSONResponse(wire.whole(cid, created, served.name, chat, "".join(parts), ended.reason,
-                                       len(job.prompt), ended.completion_tokens))
-
-    async def chat(request: Request) -> Response:
-        return await run(request, True)
-
-    async def completions(request: Request) -> Response:
-        return await run(request, False)
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        where = f"{request.method} {request.url.path}"
-        if exc.status_code == 405:
-            return _error(405, f"{where} is not supported; see GET /v1/models, POST /v1/chat/completions "
-                               "and POST /v1/completions", "method_not_allowed")
-        if exc.status_code == 404:
-            return _error(404, f"Invalid URL ({where}): this worker serves /v1/models, /v1/chat/completions "
-                               "and /v1/completions", "not_found")
-        return _error(exc.status_code, str(exc.detail), None)
-
-    async def crash(_: Request, exc: Exception) -> Response:
-        traceback.print_exception(exc, file=sys.stderr)  # the worker's log has it; the client does not
-        return _error(500, f"internal error in the worker: {type(exc).__name__}", "internal_error", "server_error")
-
-    return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
-                             Route("/v1/models/{model_id:path}", model),
-                             Route("/v1/chat/completions", chat, methods=["POST"]),
-                             Route("/v1/completions", completions, methods=["POST"])],
-                     exception_handlers={HTTPException: http_error, Exception: crash})
 
 
 def _flag(value: str) -> bool:

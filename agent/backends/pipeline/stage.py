@@ -116,7 +116,7 @@ def _loaded(spec: GroupSpec, model: SliceModel, link: Link) -> None:
 
 def stage(args: argparse.Namespace, spec: GroupSpec, status: Status, failure: Failure, key: str) -> None:
     from agent.backends.pipeline.engine import PipelineEngine
-    from agent.backends.torch.worker import create_app
+    from agent.backends.openai_app import create_app
 
     if args.threads:
         torch.set_num_threads(args.threads)
