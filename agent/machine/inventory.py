@@ -65,8 +65,19 @@ class NvmlProbe:
         try:
             count = int(nv.nvmlDeviceGetCount())
         except nv.NVMLError as exc:
-            self.note = f"NVML could not count the GPUs: {exc}"
-            return []
+            # The driver reloaded (or was unloaded) under this process: NVML answers Uninitialized
+            # until it is shut down and initialised again: tried once in a read that fails, never otherwise.
+            try:
+                try:
+                    nv.nvmlShutdown()
+                except nv.NVMLError:
+                    pass
+                nv.nvmlInit()
+                count = int(nv.nvmlDeviceGetCount())
+            except nv.NVMLError as again:
+                self.note = f"NVML could not count the GPUs: {exc}" + (
+                    f"; initialising it again: {again}" if str(again) != str(exc) else "")
+                return []
         for i in range(count):
             try:
                 h = nv.nvmlDeviceGetHandleByIndex(i)

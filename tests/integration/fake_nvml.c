@@ -5,6 +5,10 @@
  *   init RC                                  what nvmlInit (nvmlInitWithFlags/nvmlInit_v2) returns
  *   count RC                                 what nvmlDeviceGetCount_v2 returns (0: NVML_SUCCESS)
  *   gpu|NAME|UUID|TOTAL|FREE|RC              one GPU, in index order; RC != 0: every call on it fails
+ *   epoch N                                  the driver's load: a process initialised under another
+ *                                            epoch (the driver reloaded since) gets Uninitialized
+ *                                            from every call until it shuts down and initialises again
+ * and each nvmlInit appends a line to the file named by FAKE_NVML_INITS, where that is set.
  * (RC 15 is NVML_ERROR_GPU_IS_LOST, 9 NVML_ERROR_DRIVER_NOT_LOADED). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,9 +19,11 @@ typedef struct fake_device *nvmlDevice_t;
 
 #define MAX_GPUS 64
 struct gpu { char name[96]; char uuid[96]; unsigned long long total, free; int rc; };
-struct answers { int init_rc, count_rc, n; struct gpu gpus[MAX_GPUS]; };
+struct answers { int init_rc, count_rc, epoch, n; struct gpu gpus[MAX_GPUS]; };
 
-static int initialised;
+static int initialised, init_epoch;
+
+static int stale(const struct answers *a) { return initialised && a->epoch != init_epoch; }
 
 static void load(struct answers *a) {
     memset(a, 0, sizeof *a);
@@ -27,7 +33,8 @@ static void load(struct answers *a) {
     char line[512];
     while (fgets(line, sizeof line, f)) {
         struct gpu g = {0};
-        if (sscanf(line, "init %d", &a->init_rc) == 1 || sscanf(line, "count %d", &a->count_rc) == 1) continue;
+        if (sscanf(line, "init %d", &a->init_rc) == 1 || sscanf(line, "count %d", &a->count_rc) == 1
+            || sscanf(line, "epoch %d", &a->epoch) == 1) continue;
         if (a->n < MAX_GPUS && sscanf(line, "gpu|%95[^|]|%95[^|]|%llu|%llu|%d", g.name, g.uuid, &g.total, &g.free, &g.rc) == 5)
             a->gpus[a->n++] = g;
     }
@@ -37,7 +44,10 @@ static void load(struct answers *a) {
 int nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
     struct answers a; load(&a);
-    if (a.init_rc == 0) initialised = 1;
+    const char *inits = getenv("FAKE_NVML_INITS");
+    FILE *log = inits ? fopen(inits, "a") : NULL;
+    if (log) { fputs("init\n", log); fclose(log); }
+    if (a.init_rc == 0) { initialised = 1; init_epoch = a.epoch; }
     return a.init_rc;
 }
 int nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
@@ -59,6 +69,7 @@ int nvmlDeviceGetCount_v2(unsigned int *count) {
     if (!initialised) return 1;
     if (!count) return 2;
     struct answers a; load(&a);
+    if (stale(&a)) return 1;
     if (a.count_rc) return a.count_rc;
     *count = (unsigned int)a.n;
     return 0;
@@ -69,6 +80,7 @@ int nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
     if (!initialised) return 1;
     if (!device) return 2;
     struct answers a; load(&a);
+    if (stale(&a)) return 1;
     if (index >= (unsigned int)a.n) return 2;
     if (a.gpus[index].rc) return a.gpus[index].rc;
     *device = (nvmlDevice_t)(size_t)(index + 1);
@@ -79,6 +91,7 @@ static int lookup(nvmlDevice_t device, struct answers *a, struct gpu **g) {
     if (!initialised) return 1;
     size_t i = (size_t)device;
     load(a);
+    if (stale(a)) return 1;
     if (i == 0 || i > (size_t)a->n) return 2;
     *g = &a->gpus[i - 1];
     return (*g)->rc;
