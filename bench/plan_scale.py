@@ -14,6 +14,14 @@ reconciler/cache/desired.py), reading the cache, asking the agents, keeping the 
 writing the JSON; so a change's effect shows where it lands.
 
     .venv/bin/python bench/plan_scale.py [--sizes 1000,10000] [--apply-sizes 1000,10000] [--no-split]
+        [--gpu-sizes 10000 [--gpus 8] [--profile PATH]]
+
+--gpu-sizes compares, on one set of agents, today's plan (no GPUs, members listed) with one where
+each node has 8 simulated GPUs and every cluster is placed (members: {count: 10} among 20 nodes):
+the per-GPU ledger, the estimates, the assignment and the placement (issue 35's target: fleet
+plan's CPU per node within 1.5x). Each cold and warm, side by side with the ratio: the fleet
+process's CPU per node, and the plan step alone in this process. Only those plans:
+`--sizes '' --apply-sizes '' --gpu-sizes 10000`.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from tests.agents import agent_env  # noqa: E402
 from tests.conftest import fleet_bin  # noqa: E402
 
 PLAN_WALL_S, PLAN_CPU_MS, APPLY_WALL_S = 5.0, 0.3, 30.0  # at 10,000 nodes
+GPU_RATIO = 1.5  # issue 35: 8 GPUs a node, placed, against no GPUs, listed: fleet plan's CPU per node
 
 
 def fleet_file(path: Path, n: int, port: int, processes: int, group: int = 10) -> None:
@@ -49,6 +58,25 @@ def fleet_file(path: Path, n: int, port: int, processes: int, group: int = 10) -
         members = ", ".join(f"n{i}" for i in range(k, min(n, k + group)))
         lines.append(f"  c{k // group}: {{model: m, members: [{members}], port: 9000}}")
     path.write_text("\n".join(lines) + "\n")
+
+
+def fleet_file_placed(path: Path, n: int, port: int, processes: int, group: int = 10) -> None:
+    """As fleet_file, but each cluster is placed: `count: group` among two groups' nodes (its own
+    and the next), the clusters' ports alternating so that two that share candidates can share a node."""
+    lines = ["version: 1", "control_plane: {node: n0}", "nodes:"]
+    lines += [f"  n{i}: {{address: {address}, agent_port: {port}}}" for i, address in enumerate(addresses(n, processes))]
+    lines += ["models:", f'  m: {{format: safetensors, digest: "{DIGEST}", source: n0}}', "replicas:",
+              "  m: [" + ", ".join(f"n{i}" for i in range(n)) + "]", "clusters:"]
+    for k in range(0, n, group):
+        nodes = ", ".join(f"n{(k + i) % n}" for i in range(min(n, 2 * group)))
+        lines.append(f"  c{k // group}: {{model: m, members: {{count: {min(group, n - k)}, nodes: [{nodes}]}}, "
+                     f"port: {9000 + (k // group) % 2}}}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def gpus_json(count: int) -> str:
+    return json.dumps([{"name": "SIMULATED H100", "memory_total_bytes": 80 << 30, "uuid": f"GPU-sim-{i}"}
+                       for i in range(count)])
 
 
 def timed(cmd: list[str], env: dict[str, str], sims: list[int]) -> tuple[float, float, float,
@@ -64,10 +92,11 @@ def timed(cmd: list[str], env: dict[str, str], sims: list[int]) -> tuple[float, 
     return wall, cpu, sum(cpu_of(p) for p in sims) - sim_before, proc
 
 
-def split(path: Path, secret: str, cache_dir: Path) -> tuple[str, int]:
+def split(path: Path, secret: str, cache_dir: Path, profile: Path | None = None) -> tuple[str, int, float]:
     """CPU of each step of `fleet plan --json`, in this process (its imports already done), with
-    the observation cache in `cache_dir` (empty: cold; as a plan left it: warm); and how many
-    states a 304 confirmed."""
+    the observation cache in `cache_dir` (empty: cold; as a plan left it: warm); how many states a
+    304 confirmed; and the plan step's CPU seconds. `profile`: the plan step run once more under
+    cProfile (after it was timed), its statistics written there (pstats)."""
     import trio
 
     from reconciler.agents.client import AgentClient
@@ -103,18 +132,87 @@ def split(path: Path, secret: str, cache_dir: Path) -> tuple[str, int]:
         step("keep the states")
     p = plan(loaded.desired, observed, config_digest=loaded.digest or "", config_file=loaded.filename)
     step("plan")
+    planned = steps[-1][1]
+    if profile is not None:
+        import cProfile
+
+        cProfile.runctx("plan(loaded.desired, observed)", globals(), {"plan": plan, "loaded": loaded,
+                                                                       "observed": observed}, str(profile))
+        at = time.process_time()
     plan_json(p.to_json())
     step("write JSON")
     n = len(loaded.desired.nodes)
     confirmed = sum(1 for name, node in observed.nodes.items() if name in held and node.weights is held[name].weights)
     return (", ".join(f"{name} {cpu * 1000 / n:.3f}" for name, cpu in steps) + " ms/node"
-            + f" ({confirmed} of {n} states confirmed by a 304)"), confirmed
+            + f" ({confirmed} of {n} states confirmed by a 304)"), confirmed, planned
 
 
 def with_agents(base: Path, n: int, processes: int, fn: Callable[[Path, list[int]], None]) -> None:
     with simulated(base, n, processes) as (port, pids):
         fleet_file(base / f"fleet{n}.yaml", n, port, processes)
         fn(base / f"fleet{n}.yaml", pids)
+
+
+def compare_gpus(base: Path, n: int, processes: int, gpus: int, env: dict[str, str], cpu0: float,
+                 profile: Path | None) -> None:
+    """On one set of simulated agents: plans as today, without GPUs and with listed members; then
+    with `gpus` simulated GPUs per node and every cluster placed (members: {count}). Each cold and
+    warm: the fleet process's CPU per node and wall time, and the plan step alone in this process
+    (split), side by side with their ratio."""
+    modes = (("no GPUs, members listed", 0, fleet_file), (f"{gpus} GPUs a node, members placed", gpus,
+                                                           fleet_file_placed))
+    figures: dict[str, dict[str, tuple[float, float, float, str]]] = {}  # mode -> kind -> (wall, CPU, plan, load)
+    with simulated(base, n, processes) as (port, pids):
+        for mode, count, write in modes:
+            (base / "gpus.json").write_text(gpus_json(count))
+            time.sleep(1.5)  # each simulator measures its machine, GPUs included, at most once a second
+            path = base / f"fleet{n}-{count}.yaml"
+            write(path, n, port, processes)
+            cache = base / f"cache{n}-{count}"
+            got: dict[str, tuple[float, float]] = {}
+            for kind in ("cold", "warm", "warm", "warm"):
+                kept = list((cache / "observed").glob("*.bin"))
+                before = kept[0].stat().st_ino if kept else None
+                wall, cpu, _, proc = timed([fleet_bin(), "plan", "--json", "-f", str(path)],
+                                           {**env, DIR_ENV: str(cache)}, pids)
+                data = json.loads(proc.stdout)
+                starts = [c for c in data["changes"] if c["action"] == "start"]
+                assert len(starts) == n and not data["errored"], data["diagnostics"][:3]
+                given = [c["details"].get("gpus") for c in starts]
+                assert all(given) if count else not any(given), "GPUs given where none are, or none where all are"
+                if kind == "warm" and next((cache / "observed").glob("*.bin")).stat().st_ino != before:
+                    print(f"  plan N={n} {mode}: warm plan not counted (some agents' states changed); again")
+                    continue
+                print(f"  plan N={n} {mode}, {kind}: {wall:.2f} s wall, fleet CPU {cpu * 1000 / n:.3f} ms/node "
+                      f"({(cpu - cpu0) * 1000 / n:.3f} beyond start-up); {machine()}")
+                got[kind] = (wall, cpu)
+                if kind == "warm":
+                    break
+            steps: dict[str, tuple[float, str]] = {}
+            for kind in ("cold", "warm", "warm", "warm"):
+                line, confirmed, planned = split(path, env["FLEET_CLUSTER_SECRET"], base / f"split{n}-{count}",
+                                                 profile.with_name(f"{profile.name}-{count}-{kind}.pstats")
+                                                 if profile is not None and kind not in steps else None)
+                load = machine()
+                print(f"  split by step, {mode}, {kind} (CPU, in process): {line}; {load}")
+                if kind == "warm" and confirmed != n:
+                    print("  not a warm one: again")
+                    continue
+                steps[kind] = (planned, load)
+                if kind == "warm":
+                    break
+            figures[mode] = {k: (*got[k], *steps[k]) for k in ("cold", "warm") if k in got and k in steps}
+    (a, fa), (b, fb) = figures.items()
+    for kind in ("cold", "warm"):
+        if kind not in fa or kind not in fb:
+            print(f"plan N={n} {kind}: no figures for one of the two (the agents' states kept changing)")
+            continue
+        (wa, ca, pa, la), (wb, cb, pb, lb) = fa[kind], fb[kind]
+        print(f"plan N={n} {kind}, fleet plan's CPU per node: {ca * 1000 / n:.3f} ms ({a}) vs "
+              f"{cb * 1000 / n:.3f} ms ({b}): {cb / ca:.2f}x (target <= {GPU_RATIO}x: "
+              f"{target(cb / ca <= GPU_RATIO, n)}); wall {wa:.2f} s vs {wb:.2f} s")
+        print(f"plan N={n} {kind}, the plan step alone (in process): {pa * 1000 / n:.3f} ms/node ({a}; {la}) vs "
+              f"{pb * 1000 / n:.3f} ms/node ({b}; {lb}): {pb / pa:.2f}x")
 
 
 def target(ok: bool, n: int) -> str:
@@ -128,6 +226,12 @@ def main() -> None:
     ap.add_argument("--sim-processes", type=int, default=2, help="simulator processes (default 2)")
     ap.add_argument("--parallelism", type=int, default=64, help="fleet apply --parallelism (default 64)")
     ap.add_argument("--no-split", dest="split", action="store_false", help="skip the in-process split by step")
+    ap.add_argument("--gpu-sizes", default="",
+                    help="also compare, at these sizes, plans without GPUs (members listed) and with --gpus simulated "
+                         "GPUs a node and every cluster placed, side by side (e.g. 10000)")
+    ap.add_argument("--gpus", type=int, default=8, help="simulated GPUs a node for --gpu-sizes (default 8)")
+    ap.add_argument("--profile", type=Path, help="with --gpu-sizes: cProfile the in-process plan step of each "
+                    "comparison's first cold and warm split, to PROFILE-GPUS-KIND.pstats")
     args = ap.parse_args()
     env = agent_env()
     print(f"machine: {machine()}; SIMULATED agents in {args.sim_processes} processes on the same machine")
@@ -170,12 +274,14 @@ def main() -> None:
                     # The same cache directory: empty first, then as cold left it. A warm split in
                     # which some state changed (the disk's free space moved a step) is run again.
                     for kind in ("cold", "warm", "warm", "warm"):
-                        line, confirmed = split(path, env['FLEET_CLUSTER_SECRET'], base / f'split{n}')
+                        line, confirmed, _ = split(path, env['FLEET_CLUSTER_SECRET'], base / f'split{n}')
                         print(f"  split by step, {kind} (CPU, in process): {line}; {machine()}"
                               + ("" if kind == "cold" or confirmed == n else "; not a warm one: again"))
                         if kind == "warm" and confirmed == n:
                             break
             with_agents(base, n, args.sim_processes, plan)
+        for n in [int(x) for x in args.gpu_sizes.split(",") if x and int(x) > 0]:
+            compare_gpus(base, n, args.sim_processes, args.gpus, env, cpu0, args.profile)
         for n in [int(x) for x in args.apply_sizes.split(",") if x and int(x) > 0]:
             def apply(path: Path, sims: list[int]) -> None:
                 print(f"  before the apply: {machine()}")
