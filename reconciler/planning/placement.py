@@ -26,7 +26,7 @@ from wire.windows import Window, status
 from reconciler.core.desired import Desired, ReplicaSpec
 from reconciler.core.diagnostics import Diagnostic, error
 from reconciler.core.observed import Observed, ObservedNode
-from reconciler.planning.gpus import ACTIVE, Ledger, arch_of, estimate, gib
+from reconciler.planning.gpus import ACTIVE, Archs, Ledger, estimate, gib
 from reconciler.planning.weights import model_bytes
 
 
@@ -38,11 +38,13 @@ class Placed:
     reasons: dict[tuple[str, str], str]  # (cluster, node) -> "placed on gpu-b: holds the weights; ..."
 
 
-def place(d: Desired, o: Observed, ok: dict[str, ObservedNode], diags: list[Diagnostic]) -> Placed:
+def place(d: Desired, o: Observed, ok: dict[str, ObservedNode], diags: list[Diagnostic],
+          archs: Archs | None = None) -> Placed:
     placed = [c for c in d.clusters.values() if c.placement is not None]
     if not placed:
         return Placed(d, {})
     ledger = Ledger(ok)
+    arch_of = archs or Archs(o)
     order = {n: i for i, n in enumerate(d.nodes)}
     ports: dict[str, set[int]] = {}  # node -> ports taken there by listed members
     load: dict[str, int] = {n: sum(1 for s in obs.servers.values() if s.state in ACTIVE) for n, obs in ok.items()}
@@ -58,7 +60,7 @@ def place(d: Desired, o: Observed, ok: dict[str, ObservedNode], diags: list[Diag
         assert c.placement is not None
         model = d.models[c.model]
         weights = model_bytes(model, o)
-        arch = arch_of(model.digest, o)
+        arch = arch_of(model.digest)
         spec = c.placement
         names = spec.nodes or tuple(d.nodes)
         labels = dict(spec.labels)

@@ -22,7 +22,7 @@ from reconciler.core.observed import Observed, ObservedNode
 from reconciler.planning.pipeline import StageInput, group_of, plan_group
 from reconciler.planning.order import guard, order, select
 from reconciler.planning.plan import Action, Change, Plan
-from reconciler.planning.gpus import Arch, Ledger, arch_of, estimate, gib
+from reconciler.planning.gpus import Arch, Archs, Ledger, estimate, gib
 from reconciler.planning.placement import place
 from reconciler.planning.weights import Want, model_bytes
 
@@ -77,6 +77,7 @@ class _Planner:
         self.diags: list[Diagnostic] = []
         self.ok: dict[str, ObservedNode] = {}
         self.ledger = Ledger(self.ok)
+        self.arch = Archs(observed)  # each model's architecture, looked up once a plan
         self.asks: list[_Ask] = []
         self.placed: dict[tuple[str, str], str] = {}  # (cluster, node) -> why a placed member is there
 
@@ -259,7 +260,7 @@ class _Planner:
                                         change.depends_on, change.details, change.drift)
                     if obs.gpus:
                         self.asks.append(_Ask(len(self.changes), node, sid, model.format, model_bytes(model, self.o),
-                                              arch_of(model.digest, self.o), settings, pinned))
+                                              self.arch(model.digest), settings, pinned))
                     self.changes.append(change)
                     previous = address
         return desired_ids
@@ -292,7 +293,7 @@ class _Planner:
                                     f"(0-{total - 1})", "The last stage's slice must end at the model's last layer.",
                                     address=server_address(c.name, stages[-1].node)))
             return ids
-        arch = arch_of(model.digest, self.o)
+        arch = self.arch(model.digest)
         sized = {w.digest: w for n in c.members for w in wants[n].values() if w.layers is not None}
         for change in plan_group(c, model, stages, settings_diff):
             obs = self.ok[change.node]
@@ -405,7 +406,7 @@ class _Planner:
 
     def run(self) -> None:
         self.check_nodes()
-        placed = place(self.d, self.o, self.ok, self.diags)
+        placed = place(self.d, self.o, self.ok, self.diags, self.arch)
         self.d, self.placed = placed.desired, placed.reasons
         wants = plan_weights.wants(self.d, self.o, self.diags)
         self.changes += plan_weights.replicate(self.d, self.ok, wants, self.diags)
