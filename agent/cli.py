@@ -87,6 +87,20 @@ def _weights_key(args: argparse.Namespace, guard: bool = False) -> Key | None:
         os.environ.pop(KEY_FILE_ENV, None)
 
 
+def _check_tls_pair(cert: str, key: str) -> None:
+    """The certificate and key the agent will serve HTTPS with, loaded now: a file missing, unreadable
+    or not the certificate's key stops the agent saying so (it was reported as a failure to listen,
+    after the line saying it listened)."""
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key, password=lambda: "")
+    except (OSError, ssl.SSLError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise CannotStart(f"--tls-cert {cert} --tls-key {key}: cannot load the certificate with its key: "
+                          f"{reason}") from None
+
+
 def _peer_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
     """The CAs a peer's certificate is checked with when this agent fetches from it over TLS
     (--peer-ca-file or $FLEET_PEER_CA_FILE; else the system's), read now: a file that cannot be
@@ -132,6 +146,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CannotStart(str(exc)) from None
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CannotStart("--tls-cert and --tls-key go together")
+    if args.tls_cert:
+        _check_tls_pair(args.tls_cert, args.tls_key)
     host, port = _listen(args.listen)
     peer_tls = _peer_tls(args)
     weights_key = _weights_key(args, guard=True)

@@ -146,3 +146,21 @@ def sliced(model: Path, spans: list[str], base: Path) -> list[Path]:
     """The directories of slices of `model` held by a store under `base` (made once)."""
     store = Store(base / f"{model.name}-slices")
     return [store.model_dir(d) for d in hold_slices(store, model, spans)]
+
+
+def make_adapter(base_model: Path, out: Path) -> None:
+    """A LoRA adapter on `base_model` in PEFT's format: rank 4 on q_proj and v_proj, B drawn from a
+    seeded normal (peft starts it at zero: no change)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32, local_files_only=True)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                  lora_dropout=0.0))
+    g = torch.Generator().manual_seed(29)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    peft_model.save_pretrained(out)

@@ -31,6 +31,8 @@ _TOKENIZER_FILE = re.compile(r"^(?:tokenizer[^/]*|special_tokens_map\.json|added
                              r"merges\.txt|chat_template\.(?:jinja|json)|spiece\.model|sentencepiece[^/]*)$")
 MAX_HEADER = 100 * 1024 * 1024
 SLICE_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"  # a PEFT adapter's tensors, and a slice of them
+_LORA_MATRIX = re.compile(r"\.lora_[AB]\.weight\Z")
 
 
 class ManifestError(ValueError):
@@ -118,12 +120,31 @@ def slice_header(tensors: list[dict[str, Any]]) -> bytes:
     return struct.pack("<Q", len(body)) + body
 
 
+def _assembled(path: str, picked: list[dict[str, Any]]) -> dict[str, Any]:
+    """A slice's one file: the tensors `picked` (each with its `source` range) in name order, packed
+    after their header."""
+    picked.sort(key=lambda t: t["name"])
+    header = slice_header(picked)
+    offset = len(header)
+    tensors = []
+    for t in picked:
+        size = t["end"] - t["begin"]
+        tensors.append({"name": t["name"], "dtype": t["dtype"], "shape": t["shape"], "begin": offset,
+                        "end": offset + size, "sha256": t["sha256"], "source": t["source"]})
+        offset += size
+    return {"path": path, "size": offset, "assembled": True, "header_sha256": hashlib.sha256(header).hexdigest(),
+            "tensors": tensors}
+
+
 def make_slice(full: dict[str, Any], full_digest: str, layers: LayerRange) -> dict[str, Any]:
     """The manifest of layers FIRST-LAST of a safetensors model: the auxiliary files (config in every
     slice, the tokenizer in the first only: a pipeline tokenises on its first stage), the tensors of
     those layers, the embeddings if it is the first slice, the final norm and output head if it is
     the last (the embeddings too when they are the head: a model without lm_head ties them),
-    assembled into one safetensors file."""
+    assembled into one safetensors file. A LoRA adapter (format peft) is sliced by the same layers
+    (make_adapter_slice): the stage serving them merges those tensors only."""
+    if full.get("format") == "peft":
+        return make_adapter_slice(full, full_digest, layers)
     if full.get("format") != "safetensors":
         raise ManifestError("only safetensors models can be sliced by layers")
     if full.get("encryption"):
@@ -152,19 +173,44 @@ def make_slice(full: dict[str, Any], full_digest: str, layers: LayerRange) -> di
                 (first or (last and tied)) if "embed" in t["name"] else last)
             if keep:
                 picked.append({**t, "source": {"sha256": f["sha256"], "begin": t["begin"], "end": t["end"]}})
-    picked.sort(key=lambda t: t["name"])
-    header = slice_header(picked)
-    offset = len(header)
-    tensors = []
-    for t in picked:
-        size = t["end"] - t["begin"]
-        tensors.append({"name": t["name"], "dtype": t["dtype"], "shape": t["shape"], "begin": offset,
-                        "end": offset + size, "sha256": t["sha256"], "source": t["source"]})
-        offset += size
-    assembled = {"path": SLICE_FILE, "size": offset, "assembled": True,
-                 "header_sha256": hashlib.sha256(header).hexdigest(), "tensors": tensors}
+    assembled = _assembled(SLICE_FILE, picked)
     return {"version": MANIFEST_VERSION, "format": "safetensors", "layers": layers.count,
             "slice": {"of": full_digest, "layers": layers.span, "total_layers": total},
+            "files": sorted(aux + [assembled], key=lambda f: f["path"])}
+
+
+def make_adapter_slice(full: dict[str, Any], full_digest: str, layers: LayerRange) -> dict[str, Any]:
+    """The manifest of the part of a LoRA adapter (format peft) that a pipeline stage serving layers
+    FIRST-LAST merges: every file but the tensors (adapter_config.json in each slice) and the
+    lora_A/lora_B matrices of those layers, assembled into one adapter_model.safetensors. Pure, from
+    the adapter's manifest alone, so the plan promises its digest as it promises a model slice's.
+    ManifestError for a tensor a stage cannot merge: one outside the decoder layers (the embeddings,
+    the head: their stage is not told by the layers alone) or other than LoRA's two matrices (DoRA's
+    magnitudes, a LoRA bias, a module saved whole)."""
+    if full.get("encryption"):
+        raise ManifestError("an encrypted adapter is served whole, on the node holding its key; it is not sliced")
+    if full.get("slice"):
+        raise ManifestError("a slice is sliced from the full adapter's manifest, not from another slice")
+    aux, picked = [], []
+    for f in full["files"]:
+        if "tensors" not in f:
+            aux.append({k: f[k] for k in ("path", "size", "sha256")})
+            continue
+        for t in f["tensors"]:
+            name = str(t["name"])
+            n = layer_of(name)
+            if n is None:
+                raise ManifestError(f"it adapts {name.split('.lora_')[0].removeprefix('base_model.model.')}, "
+                                    "outside the decoder layers: a pipeline's stages merge only their layers' "
+                                    "LoRA tensors")
+            if not _LORA_MATRIX.search(name):
+                raise ManifestError(f"its tensor {name} is not a LoRA A or B matrix: a pipeline's stages merge "
+                                    "plain LoRA only (not DoRA, a LoRA bias or modules saved whole)")
+            if n in layers:
+                picked.append({**t, "source": {"sha256": f["sha256"], "begin": t["begin"], "end": t["end"]}})
+    assembled = _assembled(ADAPTER_FILE, picked)
+    return {"version": MANIFEST_VERSION, "format": "peft", "layers": layers.count,
+            "slice": {"of": full_digest, "layers": layers.span}, "adapter": full["adapter"],
             "files": sorted(aux + [assembled], key=lambda f: f["path"])}
 
 

@@ -336,6 +336,26 @@ class Workers:
                                                           f"pipeline {details['group']} serves layers {wanted}")
         return entry
 
+    def _stage_adapter(self, digest: str, details: PipelineDetails) -> WeightsEntry:
+        """The slice of a LoRA adapter a pipeline stage merges: held, an adapter, of the stage's layers."""
+        if not self.store.is_present(digest):
+            raise RequestRefused(409, "model_not_held", f"adapter {digest} is not held on this node; replicate it "
+                                                        "first")
+        entry = self.store.entry(digest)
+        _refuse_corrupt(entry)
+        if entry["format"] != "peft":
+            raise RequestRefused(409, "not_an_adapter", f"adapter {digest} is held here, but as a model, not a PEFT "
+                                                        "adapter")
+        rank = details["rank"]
+        wanted = LayerRange.parse(details["stages"][rank]["layers"])
+        held = entry["slice"]
+        if held is None or LayerRange.parse(held["layers"]) != wanted:
+            what = f"layers {held['layers']}" if held else "the whole adapter"
+            raise RequestRefused(409, "pipeline_slice_mismatch", f"adapter {digest} holds {what}, but stage {rank} "
+                                                                 f"of pipeline {details['group']} merges layers "
+                                                                 f"{wanted}")
+        return entry
+
     def start(self, body: dict[str, Any], present: Sequence[GpuJson] = ()) -> Server:
         """Start the server `body` describes (POST /v1/servers); `present`: the node's GPUs measured
         now, against which the GPUs it names are checked and reserved."""
@@ -380,11 +400,14 @@ class Workers:
                                                         "backend of this agent serves")
             spec = found
         adapter = settings.get("adapter")
-        if isinstance(adapter, dict):  # a LoRA adapter, merged at load: PyTorch's servers of whole models only
-            if spec.format != "safetensors" or details is not None:
-                raise RequestRefused(409, "adapter_unsupported", f"model {digest} is served by the {spec.name} backend"
-                                                          f"{' as a pipeline stage' if details else ''}, which merges "
-                                                          "no LoRA adapter (only whole safetensors models do)")
+        adapter_dir = None
+        if isinstance(adapter, dict) and details is not None:  # a stage merges the slice of it for its layers
+            adapter_dir = self._stage_adapter(str(adapter["digest"]), details)["path"]
+        elif isinstance(adapter, dict):  # a LoRA adapter, merged at load: PyTorch's servers only
+            if spec.format != "safetensors":
+                raise RequestRefused(409, "adapter_unsupported", f"model {digest} is served by the {spec.name} "
+                                                                 "backend, which merges no LoRA adapter (only "
+                                                                 "safetensors models do)")
             if self._model(str(adapter["digest"]), "adapter")["format"] != "peft":
                 raise RequestRefused(409, "not_an_adapter", f"adapter {adapter['digest']} is held here, but as a model, "
                                                      "not a PEFT adapter")
@@ -412,6 +435,8 @@ class Workers:
                                                         f"{rdv['address']} is {problem}; another server or process "
                                                         "holds it")
             launch_settings = {**launch_settings, "pipeline": details, "reason_file": str(reason_file)}
+            if adapter_dir is not None:
+                launch_settings["adapter_dir"] = adapter_dir
         unsealer = self.unsealer if "encryption" in entry else None
         opened = unsealer.prepare(sid, entry) if unsealer is not None else None  # its own links per start
         model_path = opened.path if opened is not None else entry["path"]

@@ -232,9 +232,9 @@ class Checker:
             self.check_speculative(cname, cluster, holders)
 
     def check_adapter(self, cname: str, cluster: dict[str, Any]) -> None:
-        """A cluster's LoRA adapter: a peft model, on a safetensors model served whole. The planner
-        replicates it to every member (reconciler/planning/weights.py), and checks that it fits its
-        base from the two manifests."""
+        """A cluster's LoRA adapter: a peft model, on a safetensors model. The planner replicates it to
+        every member (a pipeline's stages: the slice of it for their layers, reconciler/planning/weights.py),
+        and checks that it fits its base from the two manifests."""
         base: YamlPath = ("clusters", cname)
         model_name, adapter = cluster["model"], cluster.get("adapter")
         if self.models[model_name]["format"] == "peft":
@@ -254,10 +254,6 @@ class Checker:
                      "Serve the safetensors form of the base with this adapter (llama.cpp would need it converted "
                      "to a GGUF LoRA).")
             return
-        if cluster.get("pipeline", False) is not False:
-            self.add("adapter_pipeline_unsupported", base + ("adapter",),
-                     f"cluster {cname!r} is a pipeline: its stages do not merge adapter {adapter!r} yet",
-                     "Serve the model whole on each member with this adapter.")
 
     def check_gpus(self, cname: str, cluster: dict[str, Any]) -> None:
         """settings.gpus: per-member keys name members (or candidates); with tensor_parallel N, N GPUs."""

@@ -280,9 +280,16 @@ class _Planner:
             if obs is None or want is None or want.layers is None or (model.encrypted and node != self.cp):
                 continue  # the node's or the slice's own diagnostic says why
             settings = self.resolve_settings(c, node, obs)
-            address = replica_address(want.address_model, node)
+            fetches = [replica_address(want.address_model, node)]
+            if c.adapter is not None:  # the stage merges the slice of the adapter for its layers
+                part = next((w for w in wants[node].values() if w.model.name == c.adapter and w.layers == want.layers),
+                            None)
+                if part is None:
+                    continue  # the adapter's diagnostic says why (reconciler/planning/weights.py adapter_slices)
+                settings["adapter"] = {"name": c.adapter, "digest": part.digest}
+                fetches.append(replica_address(part.address_model, node))
             stages.append(StageInput(node, self.d.nodes[node].address, want.layers, want.digest, settings,
-                                     (address,) if address in replicating else (), obs.servers.get(
+                                     tuple(a for a in fetches if a in replicating), obs.servers.get(
                                          server_id(c.name, node))))
         if len(stages) < len(c.members):
             return ids

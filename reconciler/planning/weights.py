@@ -33,7 +33,8 @@ class Want:
 
 def wants(d: Desired, o: Observed, diags: list[Diagnostic]) -> dict[str, dict[str, Want]]:
     """node → digest → Want, for every replica, every source, every model a member serves, and
-    each cluster's LoRA adapter on every member of it."""
+    each cluster's LoRA adapter on every member of it (on a pipeline's stages, the slice of it for
+    their layers)."""
     out: dict[str, dict[str, Want]] = {n: {} for n in d.nodes}
     for m in d.models.values():
         out[m.source][m.digest] = Want(m, m.digest, model_bytes(m, o))
@@ -60,7 +61,37 @@ def wants(d: Desired, o: Observed, diags: list[Diagnostic]) -> dict[str, dict[st
             a = d.models[c.adapter]
             for node in c.members:
                 out[node].setdefault(a.digest, Want(a, a.digest, model_bytes(a, o)))
+        elif c.adapter is not None and c.adapter in d.models:
+            adapter_slices(c.name, d.models[c.adapter], c.model, c.members, o, out, diags)
     return out
+
+
+def adapter_slices(cluster: str, a: ModelSpec, model: str, members: tuple[str, ...], o: Observed,
+                   out: dict[str, dict[str, Want]], diags: list[Diagnostic]) -> None:
+    """A pipeline's stages each want the slice of adapter `a` for the layers of their slice of
+    `model` (mf.make_adapter_slice, promised by digest as a model slice is), cut from the full
+    adapter's manifest; an adapter no stage can merge is refused (adapter_pipeline_unsupported)."""
+    full = o.manifests.get(a.digest)
+    for node in members:
+        stage = next((w for w in out[node].values() if w.model.name == model and w.layers is not None), None)
+        if stage is None or stage.layers is None:
+            continue  # no slice of the model here: the pipeline's own diagnostic says so
+        if full is None:
+            diags.append(error("source_missing", f"cannot plan layers {stage.layers} of adapter {a.name!r} on "
+                               f"{node!r}: no node reported the full adapter's manifest ({a.digest})",
+                               f"The source {a.source!r} must hold it.",
+                               address=replica_address(f"{a.name}[{stage.layers}]", node)))
+            return
+        try:
+            sliced = mf.make_slice(full, a.digest, stage.layers)
+        except mf.ManifestError as exc:
+            diags.append(error("adapter_pipeline_unsupported", f"cluster {cluster!r} is a pipeline, whose stages "
+                               f"cannot merge adapter {a.name!r}: {exc}",
+                               "Serve the model whole on each member with this adapter.",
+                               address=f"clusters.{cluster}.adapter"))
+            return
+        digest = mf.digest_of(sliced)
+        out[node].setdefault(digest, Want(a, digest, sum(f["size"] for f in sliced["files"]), stage.layers, a.digest))
 
 
 def model_bytes(m: ModelSpec, o: Observed) -> int:

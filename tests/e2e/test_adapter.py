@@ -25,29 +25,12 @@ from wire.command_line import Exit
 from tests.agents import SECRET, Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import Fleet, import_model, start_serve
-from tests.models import tiny_safetensors
+from tests.models import make_adapter, tiny_safetensors
 
 pytestmark = pytest.mark.e2e
 QUESTION = "What is the capital of France? Answer in one sentence."
 TOKENS = 12
 ADDRESSES = {"cp": "127.0.0.70", "a": "127.0.0.71"}
-
-
-def make_adapter(base_model: Path, out: Path) -> None:
-    """LoRA rank 4 on q_proj and v_proj, B drawn from a seeded normal (peft starts it at zero: no change)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32, local_files_only=True)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                  lora_dropout=0.0))
-    g = torch.Generator().manual_seed(29)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    peft_model.save_pretrained(out)
 
 
 def reference(base_model: Path, adapter: Path | None) -> str:

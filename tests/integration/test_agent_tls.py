@@ -172,3 +172,22 @@ def test_fleet_ends_a_tls_connection_with_close_notify(tmp_path: Path, pki: tupl
     thread.join(10)
     listener.close()
     assert seen == ["close_notify"]
+
+
+def test_a_certificate_or_key_that_cannot_be_loaded_stops_the_agent_saying_which(
+        tmp_path: Path, pki: tuple[Path, Path]) -> None:
+    """Said as what it is, before the agent says it listens: it read "listening on https://...",
+    then "cannot listen on ADDRESS: No such file or directory" for a certificate file missing."""
+    _, cert = pki
+    home = tmp_path / "home"
+    subprocess.run([fleet_bin("fleet-agent"), "enroll", "--home", str(home), "--name", "x"], check=True,
+                   capture_output=True, env=agent_env(), timeout=30)
+    (tmp_path / "other").mkdir()
+    other = make_pki(tmp_path / "other")[1].with_name("key.pem")  # a key, not this certificate's
+    for cert_file, key_file in ((tmp_path / "missing.pem", cert.with_name("key.pem")), (cert, other)):
+        done = subprocess.run([fleet_bin("fleet-agent"), "serve", "--home", str(home), "--listen",
+                               f"{ADDRESS}:{free_port(ADDRESS)}", "--tls-cert", str(cert_file), "--tls-key", str(key_file)],
+                              capture_output=True, text=True, timeout=30, env=agent_env(), stdin=subprocess.DEVNULL)
+        assert done.returncode == 3, done.stderr
+        assert "--tls-cert" in done.stderr and str(cert_file) in done.stderr and str(key_file) in done.stderr, done.stderr
+        assert "listening" not in done.stderr and "cannot listen" not in done.stderr, done.stderr

@@ -57,10 +57,12 @@ def test_what_cannot_be_served_is_refused_at_its_place(cluster: str, expected: t
     assert codes(fleet(cluster)) == [expected]
 
 
-def test_a_pipeline_with_an_adapter_is_refused_for_now() -> None:
+def test_a_pipeline_may_name_an_adapter() -> None:
+    # Each stage merges the slice of it for its layers (tests/unit/test_adapter_slices.py): listed under no replicas.
     loaded = fleet("  t: {model: m, adapter: lora, members: [a, b], port: 9001, pipeline: true}",
-                   '  m: [{node: a, layers: "0-14"}, {node: b, layers: "15-29"}]\n  lora: [a, b]')
-    assert ("adapter_pipeline_unsupported", "clusters.t.adapter") in codes(loaded)
+                   '  m: [{node: a, layers: "0-14"}, {node: b, layers: "15-29"}]')
+    assert loaded.ok and codes(loaded) == [], codes(loaded)
+    assert loaded.desired is not None and loaded.desired.clusters["t"].adapter == "lora"
 
 
 def peft_dir(path: Path, config_json: dict[str, object] | None = None, *, rows: int = 8) -> Path:

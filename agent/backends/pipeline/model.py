@@ -15,6 +15,7 @@ import torch
 from wire.layers import LayerRange
 from wire.manifest import layer_of
 
+from agent.backends.pipeline import lora
 from agent.backends.torch.layers import Stack, Unsupported
 
 _LAYER = re.compile(r"((?:^|\.)(?:layers|h|blocks|blk)\.)(\d+)\.")
@@ -64,9 +65,11 @@ def read_config(model_dir: Path) -> Any:
         raise LoadError(f"{model_dir} has no usable config.json: {exc}") from None
 
 
-def load_slice(model_dir: Path, layers: LayerRange, device: torch.device, dtype_name: str = "auto") -> SliceModel:
+def load_slice(model_dir: Path, layers: LayerRange, device: torch.device, dtype_name: str = "auto",
+               adapter_dir: Path | None = None) -> SliceModel:
     """The stage serving `layers` from `model_dir` (a slice holding at least those layers, or the
-    whole model: only what the stage needs is read)."""
+    whole model: only what the stage needs is read), with the LoRA adapter in `adapter_dir` (the
+    slice of it for those layers) merged into its weights."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -101,11 +104,17 @@ def load_slice(model_dir: Path, layers: LayerRange, device: torch.device, dtype_
         sub.layer_types = list(sub.layer_types)[layers.first:layers.last + 1]
     with torch.device("meta"):
         model: Any = AutoModelForCausalLM.from_config(sub, dtype=dtype)  # type: ignore[no-untyped-call]
-    state: dict[str, torch.Tensor] = {}
+    loaded: dict[str, torch.Tensor] = {}
     for k in wanted:
         with safe_open(str(where[k]), framework="pt", device=str(device)) as fh:
-            tensor = fh.get_tensor(k).to(dtype)
-        state[_LAYER.sub(lambda m: f"{m.group(1)}{int(m.group(2)) - layers.first}.", k, count=1)] = tensor
+            loaded[k] = fh.get_tensor(k).to(dtype)
+    if adapter_dir is not None:  # by the whole model's names, as the adapter's config names them
+        try:
+            lora.merge(loaded, adapter_dir, layers)
+        except lora.AdapterError as exc:
+            raise LoadError(str(exc)) from None
+    state = {_LAYER.sub(lambda m: f"{m.group(1)}{int(m.group(2)) - layers.first}.", k, count=1): t
+             for k, t in loaded.items()}
     if last and HEAD not in state:
         state[HEAD] = state[EMBED]  # tied: the embeddings are the head
     model.load_state_dict(state, strict=False, assign=True)

@@ -82,8 +82,9 @@ def check_details(value: Any) -> PipelineDetails:
 
 
 def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPath) -> Command:
-    """`s` is the server's settings plus what the agent adds for a stage: `pipeline` (its details)
-    and `reason_file` (where the stage writes why it failed)."""
+    """`s` is the server's settings plus what the agent adds for a stage: `pipeline` (its details),
+    `reason_file` (where the stage writes why it failed) and, with an adapter, `adapter_dir` (the
+    slice of it for the stage's layers)."""
     details = check_details(s.get("pipeline"))
     if s.get("speculative"):
         raise BadSettings("a pipeline stage does not decode speculatively; remove speculative from the settings")
@@ -101,6 +102,10 @@ def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPat
         argv += ["--join-timeout", f"{float(s['startup_timeout_s']) / 2:g}"]
     if s.get("reason_file"):
         argv += ["--reason-file", str(s["reason_file"])]
+    if s.get("adapter"):  # the slice of a LoRA adapter for this stage's layers, merged at load
+        if not s.get("adapter_dir"):
+            raise BadSettings("a stage's adapter is given by the agent as adapter_dir: the slice of it it holds")
+        argv += ["--adapter", str(s["adapter_dir"])]
     return Command(tuple(argv), None)
 
 

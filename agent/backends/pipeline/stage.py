@@ -10,7 +10,7 @@ answers 503 for a moment; each writes the group's one-line reason (to stderr and
 and exits with EXIT_FAILED.
 
     python -m agent.backends.pipeline.stage --model DIR --host H --port P --pipeline JSON
-        [--threads N] [--context-length N] [--dtype D] [--max-batch N] [--micro-batches N]
+        [--threads N] [--context-length N] [--adapter DIR] [--dtype D] [--max-batch N] [--micro-batches N]
         [--join-timeout S] [--recv-timeout S] [--silence-timeout S] [--reason-file PATH]
 """
 
@@ -124,7 +124,8 @@ def stage(args: argparse.Namespace, spec: GroupSpec, status: Status, failure: Fa
     group = Group.form(spec, args.join_timeout, args.recv_timeout, key)
     failure.group = group
     group.watch(failure, args.silence_timeout, lambda: status.ready)
-    model = load_slice(Path(args.model), spec.me.layers, device, args.dtype)
+    model = load_slice(Path(args.model), spec.me.layers, device, args.dtype,
+                       Path(args.adapter) if args.adapter else None)
     end = spec.stages[-1].layers.last
     if end != model.total_layers - 1:
         raise LoadError(f"the pipeline's stages end at layer {end}, but the model has {model.total_layers} layers")
@@ -179,6 +180,8 @@ def main() -> None:
     ap.add_argument("--served-name", help="the model's name in answers and /v1/models (default: its path)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--context-length", type=int)
+    ap.add_argument("--adapter", help="the slice of a LoRA adapter for this stage's layers (PEFT's format), merged "
+                                      "at load")
     ap.add_argument("--dtype", choices=DTYPES, default="auto")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--micro-batches", type=int, help="decode lanes in flight at once (default: one per stage)")
