@@ -37,6 +37,8 @@ class Limits:
     # with a key took fleet serve past 3 GB). FLEET_MAX_REQUEST_BODY sets it (serve/run.py).
     max_body: int = 4 * 1024 * 1024
     keep_alive: float = 60.0           # an idle connection is closed after this long
+    # ...or after this long, if it never proved its client (Server.trusts); None: keep_alive
+    stranger_idle: float | None = None
     read_timeout: float = 30.0         # a head must be whole, and a body keep arriving, within this (408)
     write_timeout: float = 60.0        # a client that takes no bytes for this long is dropped
     grace: float = 10.0                # on shutdown, requests in flight get this long to finish
@@ -66,7 +68,8 @@ def error_response(status: int, message: str, code: str, extra: bytes = b"") -> 
 def response_head(status: int, headers: list[tuple[bytes, bytes]], version: str, *, keep_alive: bool,
                   no_body: bool) -> tuple[bytes, bool, bool, bool]:
     """The head for an app's status and headers: (head, chunked, keep_alive, no_body). Framing and
-    persistence are this server's to decide, so the app's Transfer-Encoding and Connection go."""
+    persistence are this server's to decide, so the app's Transfer-Encoding and Connection go; an
+    app's `connection: close` is kept (its connection ends with the answer)."""
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))]
     has_length = chunked = False
     for name, value in headers:
@@ -74,6 +77,7 @@ def response_head(status: int, headers: list[tuple[bytes, bytes]], version: str,
             raise ValueError(f"header {name!r} holds a line break")
         lower = name.lower()
         if lower == b"transfer-encoding" or lower == b"connection":
+            keep_alive = keep_alive and not (lower == b"connection" and value.strip().lower() == b"close")
             continue
         has_length = has_length or lower == b"content-length"
         lines.append(b"%s: %s\r\n" % (name, value))
@@ -104,6 +108,7 @@ class Request:
     head_done: bool = False
     size: int = 0
     continued: bool = False  # a "100 Continue" was sent, or not needed
+    judged: bool = False  # the server asked whether its head proves its client (Server.trusts)
 
 
 Admit = Callable[["Request"], None]  # a request's head → nothing, or Refused before its body is read

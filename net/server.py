@@ -34,6 +34,13 @@ __all__ = ["Server", "Limits"]
 
 READ = 64 * 1024
 LINGER_MAX = 32  # busy refusals lingering at once (the caller's descriptor reserve counts them)
+WARN_EVERY_S = 10.0  # a refusal or an eviction is logged at most this often
+# The ASGI scope extension that hands an app the connection's own socket (the agent's blob
+# answers send their bodies by sendfile on it): {"socket": socket.socket}. The server owns it: an
+# app may write on it, set its options or shut it down, never close it. An app that writes a body
+# on it itself sends its head with `connection: close` and an empty, unfinished body message
+# first (which sends the head), and ends with an empty last one.
+SOCKET_EXTENSION = "fleet.socket"
 LINGER_S = 1.0  # a refused client's bytes are read (and dropped) this long, so the 503 is not reset
 # After a refusal on a connection (a 401 before the body, a 413), at most this much more of what
 # the client sends is read and dropped (within LINGER_S) before closing: enough for the refusal
@@ -46,31 +53,58 @@ class ClientGone(Exception):
 
 
 class Server:
-    """`on_drop(reason)` is told of every connection dropped to stay within the cap: "evicted"
-    (the one waiting longest for a request, closed to admit a new one) or "refused" (every
-    connection busy: 503 too_many_connections, or a plain close on a TLS port). `admit` sees each
-    request's head before its body is read (http1.Parser): the router's API key check. `name`
-    is the server's in its refusals ("fleet serve"), `cap_hint` what its busy warning says sets
-    the cap, `log` where it logs."""
+    """`cap` connections at once. When all places are held, the connection waiting longest for a
+    request (idle, or a request still arriving) gives its place to the newest: first one never
+    trusted, then a trusted one. Only when every place has a request in flight is one more
+    answered 503 `too_many_connections` (`busy`, or a message naming `name` and the cap) and
+    closed after lingering (over TLS, closed: a 503 would cost a handshake first); refusals and
+    evictions are logged at most every WARN_EVERY_S.
+
+    `trusts(scope)`, asked of each request before the app sees it, says whether it proves its
+    client (the agent: the cluster secret); a connection that has is kept alive between requests
+    for Limits.keep_alive, and evicted only after every untrusted one; one that has not must send
+    its next request's first byte within Limits.stranger_idle. `privileged(address)` says
+    whether a client address is trusted from its first byte (the agent's control plane); the last
+    `reserve` places are theirs alone.
+
+    `on_drop(reason)` is told of every connection dropped to stay within the cap: "evicted" or
+    "refused". `admit` sees each request's head before its body is read (http1.Parser): the
+    router's API key check. `name` is the server's in its refusals ("fleet serve"), `cap_hint`
+    what its busy warning says sets the cap, `log` where it logs."""
 
     def __init__(self, app: ASGIApp, limits: Limits | None = None, *, cap: int, tls: ServerTls | None = None,
                  on_drop: Callable[[str], None] | None = None, admit: Admit | None = None,
-                 name: str = "the server", cap_hint: str = "", log: logging.Logger | None = None) -> None:
+                 name: str = "the server", cap_hint: str = "", log: logging.Logger | None = None,
+                 busy: str = "", trusts: Callable[[dict[str, Any]], bool] | None = None,
+                 privileged: Callable[[str], bool] | None = None, reserve: int = 0) -> None:
         self.app = app
         self.admit = admit
         self.limits = limits or Limits()
         self.cap = cap
         self.name, self.cap_hint = name, cap_hint
+        self.busy = busy or f"{name} is at its limit of {cap} connections, all busy; retry shortly"
         self.log = log or logging.getLogger("fleet")
         self.tls = tls
+        self.trusts, self.privileged = trusts, privileged
+        self.reserve = reserve if privileged is not None else 0
         self.on_drop = on_drop or (lambda reason: None)
         self.live = 0  # connections counted against the cap
         # Connections waiting for a request (idle, or a request still arriving), the one waiting
-        # longest first: the first to go when a new connection needs a place.
+        # longest first: the first to go when a new connection needs a place; never trusted, then trusted.
         self.waiting: dict[Connection, trio.CancelScope] = {}
+        self.known: dict[Connection, trio.CancelScope] = {}
         self.lingering = 0
-        self.warned_at = -math.inf
+        self.refused = self.evicted = 0
+        self.warned_at = self.evict_warned_at = -math.inf
         self.closing = False
+
+    def wait(self, conn: Connection, scope: trio.CancelScope) -> None:
+        """`conn` waits for a request under `scope` (cancelled to evict it), the newest to wait."""
+        (self.known if conn.trusted else self.waiting)[conn] = scope
+
+    def unwait(self, conn: Connection) -> None:
+        self.waiting.pop(conn, None)
+        self.known.pop(conn, None)
 
     @staticmethod
     def listen(host: str, port: int) -> list[socket.socket]:
@@ -90,7 +124,7 @@ class Server:
                 for listener in listeners:
                     sockio.close(listener)
                 self.closing = True
-                for conn, scope in list(self.waiting.items()):
+                for conn, scope in list(self.waiting.items()) + list(self.known.items()):
                     if conn.idle:
                         scope.cancel()
                 connections.cancel_scope.deadline = trio.current_time() + self.limits.grace
@@ -106,29 +140,49 @@ class Server:
                 self.log.warning("accept failed: %s", exc)
                 await trio.sleep(0.1)
                 continue
-            if self.live >= self.cap and not self.evict():
+            privileged = False
+            if self.privileged is not None:
+                try:
+                    privileged = self.privileged(sock.getpeername()[0])
+                except OSError:  # gone already
+                    sockio.close(sock)
+                    continue
+            limit = self.cap if privileged else self.cap - self.reserve
+            while self.live >= limit and self.evict():
+                pass
+            if self.live >= limit:
                 self.refuse_busy(sock, connections)
                 continue
             self.live += 1
-            connections.start_soon(self.connection, sock)
+            connections.start_soon(self.connection, sock, privileged)
 
     def evict(self) -> bool:
-        """Close the connection waiting longest for a request to make room; False if none waits."""
-        if not self.waiting:
+        """Close the connection waiting longest for a request to make room (one never trusted
+        first); False if none waits."""
+        table = self.waiting or self.known
+        if not table:
             return False
-        conn = next(iter(self.waiting))
-        self.waiting.pop(conn).cancel()
+        conn = next(iter(table))
+        table.pop(conn).cancel()
         conn.counted = False
         self.live -= 1
+        self.evicted += 1
         self.on_drop("evicted")
+        now = trio.current_time()
+        if now - self.evict_warned_at >= WARN_EVERY_S:
+            self.evict_warned_at = now
+            self.log.warning("[connections_evicted] all %d places were held: the oldest idle connection gives its "
+                             "place to the newest (untrusted ones first); %d evicted so far", self.cap, self.evicted)
         return True
 
     def refuse_busy(self, sock: socket.socket, connections: trio.Nursery) -> None:
+        self.refused += 1
         self.on_drop("refused")
         now = trio.current_time()
-        if now - self.warned_at > 10:
+        if now - self.warned_at >= WARN_EVERY_S:
             self.warned_at = now
-            self.log.warning("refusing connections: all %d allowed are busy%s", self.cap, self.cap_hint)
+            self.log.warning("[too_many_connections] refusing connections: all %d allowed are held, each with a "
+                             "request in flight%s; %d refused so far", self.cap, self.cap_hint, self.refused)
         if self.tls is not None or self.lingering >= LINGER_MAX:
             sockio.close(sock)  # a 503 over TLS would cost a handshake first
             return
@@ -138,9 +192,7 @@ class Server:
         self.lingering += 1
         try:
             with trio.move_on_after(LINGER_S):
-                await sockio.send(sock, error_response(
-                    503, f"{self.name} is at its limit of {self.cap} connections, all busy; retry shortly",
-                    "too_many_connections", b"retry-after: 1\r\n"))
+                await sockio.send(sock, error_response(503, self.busy, "too_many_connections", b"retry-after: 1\r\n"))
                 sock.shutdown(socket.SHUT_WR)
                 # Take what the client sent: closing with unread bytes would reset the
                 # connection and could destroy the answer before it is read.
@@ -152,13 +204,14 @@ class Server:
             self.lingering -= 1
             sockio.close(sock)
 
-    async def connection(self, sock: socket.socket) -> None:
+    async def connection(self, sock: socket.socket, privileged: bool = False) -> None:
         conn = Connection(self, self.tls.wrap(sock) if self.tls is not None else PlainStream(sock))
+        conn.trusted = privileged
         try:
             await conn.run()
         finally:
             conn.stream.close()
-            self.waiting.pop(conn, None)
+            self.unwait(conn)
             if conn.counted:
                 self.live -= 1
 
@@ -171,6 +224,14 @@ class Connection:
         self.parser = Parser(front.limits, front.admit)
         self.pending = bytearray()  # read, not yet parsed: at most Limits.read_ahead while a response runs
         self.counted = True  # against the front's cap (until evicted)
+        self.trusted = False  # a request proved its client (Server.trusts), or its address did
+
+    def judge(self, request: Request, scope: dict[str, Any] | None = None) -> bool:
+        """Whether this connection is trusted, asking Server.trusts of `request` (its head) once."""
+        if not self.trusted and not request.judged and self.front.trusts is not None:
+            self.trusted = self.front.trusts(scope if scope is not None else asgi_scope(request, self.stream))
+        request.judged = True
+        return self.trusted
 
     @property
     def idle(self) -> bool:
@@ -180,11 +241,11 @@ class Connection:
         limits = self.front.limits
         try:
             with trio.CancelScope() as handshake:  # a TLS handshake in progress can make room too
-                self.front.waiting[self] = handshake
+                self.front.wait(self, handshake)
                 try:
                     await self.stream.start(limits.read_timeout)
                 finally:
-                    self.front.waiting.pop(self, None)
+                    self.front.unwait(self)
             if handshake.cancelled_caught:
                 return
             while not self.front.closing:
@@ -207,12 +268,17 @@ class Connection:
         the connection is closed to make room (evicted) or for shutdown."""
         parser, limits = self.parser, self.front.limits
         head_deadline = math.inf
+        idle_s = limits.keep_alive if self.trusted or limits.stranger_idle is None else limits.stranger_idle
         with trio.CancelScope() as waiting:
-            self.front.waiting[self] = waiting
+            self.front.wait(self, waiting)
             try:
                 while True:
                     parser.feed_some(self.pending)
                     current = parser.current
+                    if current is not None and current.head_done and not current.judged and self.judge(current):
+                        # A trusted request whose head is whole is in flight while its body arrives: its
+                        # place is no longer one to give (the agent's authenticated POSTs).
+                        self.front.unwait(self)
                     if current is not None and current.head_done and not current.continued:
                         current.continued = True
                         await self.stream.send(b"HTTP/1.1 100 Continue\r\n\r\n", limits.write_timeout)
@@ -230,7 +296,7 @@ class Connection:
                         with trio.fail_at(deadline):
                             data = await self.stream.receive(READ)
                     else:
-                        with trio.move_on_after(limits.keep_alive) as idle:
+                        with trio.move_on_after(idle_s) as idle:
                             data = await self.stream.receive(READ)
                         if idle.cancelled_caught:
                             return None
@@ -241,7 +307,7 @@ class Connection:
                     else:
                         self.pending += data
             finally:
-                self.front.waiting.pop(self, None)
+                self.front.unwait(self)
         return None
 
     async def refuse(self, status: int, message: str, code: str) -> None:
@@ -263,6 +329,17 @@ class Connection:
             pass
 
 
+def asgi_scope(request: Request, stream: ByteStream) -> dict[str, Any]:
+    path, _, query = request.target.partition(b"?")
+    client, server = stream.addresses()
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": request.version, "method": request.method.decode("latin-1"),
+            "scheme": stream.scheme, "path": unquote(path.decode("latin-1")), "raw_path": path,
+            "query_string": query, "root_path": "", "headers": request.headers,
+            "client": client, "server": server, "state": {},
+            "extensions": {SOCKET_EXTENSION: {"socket": stream.sock}}}
+
+
 class Exchange:
     """One request and its response: the ASGI scope, receive and send of a single call of the app."""
 
@@ -279,17 +356,13 @@ class Exchange:
         self.no_body = request.method == b"HEAD"
 
     def scope(self) -> dict[str, Any]:
-        path, _, query = self.request.target.partition(b"?")
-        client, server = self.stream.addresses()
-        return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-                "http_version": self.request.version, "method": self.request.method.decode("latin-1"),
-                "scheme": self.stream.scheme, "path": unquote(path.decode("latin-1")), "raw_path": path,
-                "query_string": query, "root_path": "", "headers": self.request.headers,
-                "client": client, "server": server, "state": {}}
+        return asgi_scope(self.request, self.stream)
 
     async def run(self) -> None:
+        scope = self.scope()
+        self.conn.judge(self.request, scope)
         try:
-            await self.front.app(self.scope(), self.receive, self.send)
+            await self.front.app(scope, self.receive, self.send)
         except ClientGone:
             raise
         except Exception:

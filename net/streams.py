@@ -19,6 +19,7 @@ log = logging.getLogger("fleet")
 
 class ByteStream(Protocol):
     scheme: str
+    sock: socket.socket  # the connection's own socket (the server's: never closed by an app)
 
     async def start(self, timeout: float) -> None:
         """Whatever must happen before the first request (the TLS handshake); OSError if it fails."""

@@ -4,9 +4,10 @@ Starlette's FileResponse moves 64 KiB per ASGI message and tops out near 130 MB/
 docs/ARCHITECTURE.md); 4 MiB messages cut the per-message cost of h11 and the ASGI hop to noise, which is
 what lets replication run near the disk-and-hash limit on one port.
 
-A body over plain HTTP/1.x is sent with sendfile on the connection's own socket, its head saying
-`connection: close` (agent/transfer/peerhttp.py's requests ask for it anyway): the server sends the head and
-never sees the body, which ends with the connection. Behind a 1 Gbit/s tbf, a sender moved a GiB for 0.16 CPU-s by
+A body over plain HTTP/1.x is sent with sendfile on the connection's own socket, which the server that
+accepted it hands over in the scope (net/server.py's SOCKET_EXTENSION), its head saying `connection: close`
+(agent/transfer/peerhttp.py's requests ask for it anyway): the server sends the head and never sees the
+body, which ends with the connection. Behind a 1 Gbit/s tbf, a sender moved a GiB for 0.16 CPU-s by
 sendfile against 1.9-2.1 through trio's send_all, whose 16 KiB TCP_NOTSENT_LOWAT (set on every
 connection) woke the event loop for every 16 KiB the link drained. Answers over TLS keep the ASGI
 messages, with that low-water mark lifted on their connection while the body is sent (0.73-0.81).
@@ -23,7 +24,6 @@ import math
 import os
 import re
 import socket
-from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Awaitable, Callable, Iterator
@@ -32,6 +32,7 @@ import trio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from net.server import SOCKET_EXTENSION
 from wire.floor import FLOOR_BYTES, FLOOR_S, Floor, pace
 
 log = logging.getLogger("fleet-agent")
@@ -175,12 +176,16 @@ async def send_range(scope: Scope, send: Send, fd: int, start: int, length: int,
         if ended is not None and not _hang_up(scope):
             raise ended
         return
+    # The head (which said connection: close) leaves now, before the body goes on the socket.
+    await send({"type": "http.response.body", "body": b"", "more_body": True})
+    whole = False
     try:
         with contextlib.suppress(OSError, AttributeError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, BULK_LOWAT)
         await send_direct(sock, fd, start, length, ready, sending, idle_s)
+        whole = True
     except (BrokenPipeError, ConnectionResetError):
-        return  # the peer went away: it resumes from what it verified
+        pass  # the peer went away: it resumes from what it verified
     except TimeoutError as exc:  # it stopped reading, or reads too slowly to ever finish
         _cut(scope, "blob_reader_too_slow", exc)
     except FileShrank as exc:
@@ -188,12 +193,14 @@ async def send_range(scope: Scope, send: Send, fd: int, start: int, length: int,
     except SourceEnded as exc:
         _cut(scope, "blob_source_ended", exc)
     finally:
-        # The server never saw this body: the answer ends with the connection, as the request
-        # asked. A cut answer (UpstreamEnded, an error) ends it early, as a cut ASGI body does.
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-        trio.lowlevel.notify_closing(sock)  # drops the loop's registration of this descriptor
-        sock.close()
+        if not whole:
+            # A cut answer (UpstreamEnded, an error) ends the connection early, as a cut ASGI body
+            # does: the server, whose socket it is, closes it once the app returns unfinished.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+    if whole:
+        # The server never saw this body: the answer ends (and, as its head said, the connection).
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _watchdog(scope: Scope, idle_s: float,
@@ -213,7 +220,7 @@ def _hang_up(scope: Scope) -> bool:
     sock = connection_socket(scope)
     if sock is None:
         return False
-    with sock, contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
     return True
 
@@ -271,56 +278,12 @@ async def send_direct(sock: socket.socket, fd: int, pos: int, left: int,
 
 
 def connection_socket(scope: Scope) -> socket.socket | None:
-    """A duplicate of the TCP socket a request came on, found by its two addresses among this
-    process's descriptors (Linux /proc); None where it is not found. The ASGI server keeps its
-    socket to itself: this is the one way to it that depends on no server's internals.
-    The search runs on the event loop at 7-17 us a descriptor (36-87 ms for 5,000), so it is bounded:
-    the descriptors connections were found at lately are tried first (Linux gives an accepted
-    connection the lowest free number, often the one the last answer's closed connection left), then
-    the highest FD_SCAN_MAX (the newest, where long-lived descriptors hold the low ones); a connection
-    not among them is not found, and its body goes in ASGI messages with the low-water mark kept."""
-    server, client = scope.get("server"), scope.get("client")
-    if not server or not client:
-        return None
-    for fd in list(_recent):
-        if (sock := _socket_at(fd, tuple(server), tuple(client))) is not None:
-            return sock
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return None
-    for fd in sorted((int(name) for name in names if name.isdigit()), reverse=True)[:FD_SCAN_MAX]:
-        if (sock := _socket_at(fd, tuple(server), tuple(client))) is not None:
-            _recent.append(fd)
-            return sock
-    return None
-
-
-FD_SCAN_MAX = 1024
-_recent: deque[int] = deque(maxlen=8)  # descriptors where connections were found: a hint, checked each time
-
-
-def _socket_at(fd: int, server: tuple[object, ...], client: tuple[object, ...]) -> socket.socket | None:
-    """A duplicate of descriptor `fd` if it is the TCP connection between these two addresses."""
-    try:
-        if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-            return None
-        copy = os.dup(fd)
-    except OSError:
-        return None  # closed meanwhile
-    try:
-        sock = socket.socket(fileno=copy)
-    except OSError:
-        os.close(copy)  # closed and reused for something else meanwhile (a worker thread's open)
-        return None
-    try:
-        if (sock.type == socket.SOCK_STREAM and tuple(sock.getsockname()[:2]) == server
-                and tuple(sock.getpeername()[:2]) == client):
-            return sock
-    except OSError:
-        pass  # a listener, or a socket not connected
-    sock.close()
-    return None
+    """The TCP socket a request came on, as the server that accepted it hands it over (net's
+    SOCKET_EXTENSION); None under a server that gives none. The server owns it: it is written on,
+    its options set and shut down here, never closed."""
+    extension = (scope.get("extensions") or {}).get(SOCKET_EXTENSION)
+    sock = extension.get("socket") if isinstance(extension, dict) else None
+    return sock if isinstance(sock, socket.socket) else None
 
 
 @contextmanager
@@ -331,20 +294,19 @@ def bulk_sending(scope: Scope) -> Iterator[None]:
     if sock is None or not hasattr(socket, "TCP_NOTSENT_LOWAT"):
         yield
         return
-    with sock:
-        try:
-            before = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, BULK_LOWAT)
-        except OSError:
-            before = None
-        try:
-            yield
-        finally:
-            if before is not None:
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, before)
-                except OSError:
-                    pass  # the connection is gone
+    try:
+        before = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, BULK_LOWAT)
+    except OSError:
+        before = None
+    try:
+        yield
+    finally:
+        if before is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, before)
+            except OSError:
+                pass  # the connection is gone
 
 
 class BlobResponse(Response):

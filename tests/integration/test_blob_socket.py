@@ -1,7 +1,8 @@
 """A blob answer's body on real sockets (agent/transfer/blobs.py). It lifts its connection's
 TCP_NOTSENT_LOWAT while the body is sent: trio sets 16 KiB on every connection, which behind a
-1 Gbit/s link cost the sender 2 CPU-s per GiB in event-loop wake-ups; the connection is found by its
-two addresses and given its own value back after the body. A request that asks to close the
+1 Gbit/s link cost the sender 2 CPU-s per GiB in event-loop wake-ups; the connection's socket is the
+server's own, handed over in the scope (net/server.py's SOCKET_EXTENSION: it was found by scanning
+/proc/self/fd and duplicated), and is given its own value back after the body. A request that asks to close the
 connection after the answer (as agent/transfer/peerhttp.py asks) gets its body with sendfile on that socket,
 never through the server's messages, the others in ASGI messages: a real agent answers both byte for
 byte, and the second keeps its connection. The sendfile path runs on the event loop, not in a worker
@@ -10,10 +11,10 @@ being fetched goes the same way as its pieces are verified, and its answer is cu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import resource
 import socket
 import threading
 import time
@@ -25,10 +26,11 @@ import pytest
 import trio
 from starlette.types import Message
 
-from agent.transfer.blobs import BULK_LOWAT, FD_SCAN_MAX, bulk_sending, connection_socket, send_direct, send_range
+from agent.transfer.blobs import BULK_LOWAT, bulk_sending, connection_socket, send_direct, send_range
 from agent.transfer.forward import Partial, PartialBlobResponse, UpstreamEnded
 from tests.agents import SECRET, Agent, free_port
 from tests.fleets import import_model
+from net.server import SOCKET_EXTENSION
 from tests.models import random_gguf
 from wire.floor import FLOOR_BYTES
 
@@ -52,53 +54,29 @@ def lowat(sock: socket.socket) -> int:
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
 
 
-def test_the_connection_is_found_by_its_addresses_and_given_its_value_back(
-        connection: tuple[socket.socket, socket.socket]) -> None:
+def handed(sock: socket.socket) -> dict[str, object]:
+    """The scope's extensions as net's server sets them: the connection's own socket."""
+    return {SOCKET_EXTENSION: {"socket": sock}}
+
+
+def test_the_connection_from_the_server_is_given_its_value_back(connection: tuple[socket.socket, socket.socket]) -> None:
     server, client = connection
-    scope = {"type": "http", "server": server.getsockname(), "client": server.getpeername()}
+    scope = {"type": "http", "extensions": handed(server)}
     with bulk_sending(scope):
         assert lowat(server) == BULK_LOWAT
         assert lowat(client) != BULK_LOWAT  # the other end, in this same process, is left alone
     assert lowat(server) == TRIO_LOWAT
+    assert server.fileno() != -1  # the server's socket: never closed by the answer
 
 
-def test_a_connection_not_found_leaves_every_socket_alone(connection: tuple[socket.socket, socket.socket]) -> None:
+def test_a_scope_without_the_socket_leaves_every_socket_alone(connection: tuple[socket.socket, socket.socket]) -> None:
     server, client = connection
-    gone = {"type": "http", "server": server.getsockname(), "client": ("127.0.0.1", 1)}
-    assert connection_socket(gone) is None
-    assert connection_socket({"type": "http", "server": None, "client": None}) is None
-    with bulk_sending(gone):
+    # The addresses alone are not enough any more: no descriptor is searched for.
+    bare = {"type": "http", "server": server.getsockname(), "client": server.getpeername()}
+    assert connection_socket(bare) is None
+    assert connection_socket({"type": "http", "extensions": {SOCKET_EXTENSION: {"socket": None}}}) is None
+    with bulk_sending(bare):
         assert lowat(server) == TRIO_LOWAT
-
-
-def test_among_thousands_of_descriptors_the_search_is_bounded_to_the_newest() -> None:
-    """It searched every descriptor on the event loop (36 ms for each blob GET with 5,000 files open):
-    now only the recent hints and the newest FD_SCAN_MAX. Shown by what is found, not by a clock: a
-    connection is found at the top of 5,000 descriptors, and the same one moved below the window is not
-    (its body then goes in ASGI messages)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard < 6000:
-        pytest.skip(f"at most {hard} descriptors here")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(5000)]
-    try:
-        with socket.create_server(("127.0.0.1", 0)) as listener, \
-                socket.create_connection(listener.getsockname()) as client:
-            conn, _ = listener.accept()
-            scope = {"server": conn.getsockname(), "client": conn.getpeername()}
-            fd = conn.detach()
-            found = connection_socket(scope)  # the newest descriptor
-            assert found is not None and found.getpeername() == client.getsockname()
-            found.close()
-            low = held[len(held) // 2]
-            assert len(held) // 2 > FD_SCAN_MAX
-            os.dup2(fd, low)  # the connection now lives 2,500 descriptors below the newest, and only there
-            os.close(fd)
-            assert connection_socket(scope) is None
-    finally:
-        for fd in held:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +148,21 @@ def blob(tmp_path: Path) -> Iterator[tuple[int, bytes]]:
 
 def closing_scope(server: socket.socket) -> dict[str, object]:
     return {"type": "http", "scheme": "http", "http_version": "1.1", "headers": [(b"connection", b"close")],
-            "server": server.getsockname(), "client": server.getpeername()}
+            "server": server.getsockname(), "client": server.getpeername(), "extensions": handed(server)}
+
+
+def only_the_head_and_the_end(messages: list[Message], whole: bool) -> bool:
+    """What a direct answer hands the server: an empty body message that sends the head, and once
+    the body went whole on the socket, an empty last one (a cut answer ends unfinished)."""
+    ends = [m.get("more_body", False) is False for m in messages]
+    return (all(m["type"] == "http.response.body" and m.get("body", b"") == b"" for m in messages)
+            and ends == ([False, True] if whole else [False]))
+
+
+def the_server_closes(sock: socket.socket) -> None:
+    """What net's server does once an answer that said connection: close has ended."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def read_to_end(sock: socket.socket, into: bytearray, pause_s: float = 0.0, size: int = 1 << 20) -> None:
@@ -197,16 +189,17 @@ def test_a_plain_http_body_goes_by_sendfile_on_its_socket_not_through_the_server
     reader = threading.Thread(target=read_to_end, args=(client, got))
     reader.start()
     trio.run(send_range, {**closing_scope(server), "headers": headers}, record, fd, 7, len(data) - 7)
+    the_server_closes(server)
     reader.join(30)
-    assert messages == []  # the server saw no body: it went on the socket itself
+    assert only_the_head_and_the_end(messages, whole=True)  # the server saw no body: it went on the socket itself
     assert bytes(got) == data[7:]  # whole, and the connection ended with it (read_to_end returned)
 
 
 def test_a_reader_too_slow_for_a_body_in_asgi_messages_is_cut_by_the_watchdog(
         connection: tuple[socket.socket, socket.socket], blob: tuple[int, bytes],
         caplog: pytest.LogCaptureFixture) -> None:
-    # TLS bodies go through the server, whose send is shielded (hypercorn's is): a peer that stops
-    # reading held it, and the chunk, for ever. The watchdog hangs the connection up under it.
+    # TLS bodies go through the server, whose send may be shielded (hypercorn's was): a peer that
+    # stops reading held it, and the chunk, for ever. The watchdog hangs the connection up under it.
     server, client = connection
     fd, data = blob
     scope = {**closing_scope(server), "scheme": "https", "path": "/v1/blobs/" + "cd" * 32}
@@ -246,16 +239,18 @@ def test_a_peer_that_reads_nothing_is_cut_after_the_idle_time(
     fd, data = blob
     counted: list[int] = []
     scope = {**closing_scope(server), "path": "/v1/blobs/" + "ab" * 32}
+    messages: list[Message] = []
 
     async def main() -> None:
         with trio.fail_after(10):
             await send_range(scope, record, fd, 0, len(data), sending=counted.append, idle_s=0.3)
 
     async def record(message: Message) -> None:
-        raise AssertionError(f"the server was handed {message['type']}")
+        messages.append(message)
 
     with caplog.at_level(logging.WARNING, logger="fleet-agent"):
         trio.run(main)
+    assert only_the_head_and_the_end(messages, whole=False)
     got = bytearray()
     read_to_end(client, got)
     assert 0 < len(got) < len(data)  # what the buffers held, then the end of the connection
@@ -278,12 +273,15 @@ def test_a_file_that_shrinks_while_served_ends_the_answer_and_is_logged_with_a_c
     reader = threading.Thread(target=read_to_end, args=(client, got))
     reader.start()
 
+    messages: list[Message] = []
+
     async def record(message: Message) -> None:
-        raise AssertionError(f"the server was handed {message['type']}")
+        messages.append(message)
 
     with caplog.at_level(logging.WARNING, logger="fleet-agent"):
         trio.run(send_range, scope, record, fd, 0, len(data) + 4096)  # the head promised more
     reader.join(30)
+    assert only_the_head_and_the_end(messages, whole=False)
     assert bytes(got) == data  # what the file held, then the end of the connection
     (line,) = [r.getMessage() for r in caplog.records if "blob_shrank" in r.getMessage()]
     assert "cd" * 32 in line and "shrank" in line
@@ -359,6 +357,7 @@ def forward(connection: tuple[socket.socket, socket.socket], tmp_path: Path, dat
     try:
         trio.run(main)
     finally:
+        the_server_closes(server)
         reader.join(30)
     return messages, bytes(got), cut[0] if cut else None
 
@@ -367,7 +366,8 @@ def test_a_file_being_fetched_goes_by_sendfile_as_its_pieces_are_verified(
         connection: tuple[socket.socket, socket.socket], tmp_path: Path) -> None:
     data = os.urandom((6 << 20) + 5)
     messages, got, cut = forward(connection, tmp_path, data, len(data))
-    assert messages == ["http.response.start"] and cut is None and got == data
+    assert messages == ["http.response.start", "http.response.body", "http.response.body"]  # the head, the end
+    assert cut is None and got == data
 
 
 def test_a_fetch_that_stalls_cuts_the_forwarded_answer_where_its_verified_bytes_end(
@@ -380,7 +380,8 @@ def test_a_fetch_that_stalls_cuts_the_forwarded_answer_where_its_verified_bytes_
     (line,) = [r.getMessage() for r in caplog.records if "[blob_source_ended]" in r.getMessage()]
     host, port = connection[1].getsockname()[:2]
     assert "received nothing" in line and f"{host}:{port}" in line
-    assert messages == ["http.response.start"] and got == data[:3 << 20]  # the downstream resumes from there
+    assert messages == ["http.response.start", "http.response.body"]  # the head; cut, the answer never ends
+    assert got == data[:3 << 20]  # the downstream resumes from there
 
 
 @pytest.mark.e2e

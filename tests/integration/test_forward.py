@@ -51,7 +51,7 @@ def client(up: Upstream, stall_s: float) -> httpx.AsyncClient:
 
 
 def cut(go: Callable[[], Awaitable[None]]) -> str:
-    """Why the answer was cut (the app raises UpstreamEnded; hypercorn then closes the connection)."""
+    """Why the answer was cut (the app raises UpstreamEnded; the server then closes the connection)."""
     said: list[str] = []
     try:
         trio.run(go)

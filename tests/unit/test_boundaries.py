@@ -225,3 +225,30 @@ def test_each_side_holds_under_a_dozen_parts(side: str) -> None:
              if p.name != "__init__.py" and p.name != "__pycache__" and (p.suffix == ".py" or p.is_dir())}
     assert parts == set(LAYERS[side]), sorted(parts ^ set(LAYERS[side]))
     assert len(parts) < 12
+
+
+# The one network layer (issue 30): the agent and the control plane serve on net/, and a stock ASGI
+# server (hypercorn, uvicorn) is started only by a worker process, through its public entry points.
+STOCK_SERVERS = {"hypercorn", "uvicorn"}
+PUBLIC_SERVER_API = {"hypercorn.config", "hypercorn.trio", "uvicorn"}
+WORKERS = {"agent/backends/torch/worker.py", "agent/backends/pipeline/web.py", "agent/backends/llama_cpp/batched.py",
+           "agent/backends/llama_cpp/worker.py"}
+
+
+def dotted_imports(tree: ast.Module) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+@pytest.mark.parametrize("path", ALL_FILES, ids=[str(p.relative_to(ROOT)) for p in ALL_FILES])
+def test_only_workers_start_a_stock_server_and_only_by_its_public_api(path: Path) -> None:
+    name = str(path.relative_to(ROOT))
+    servers = {m for m in dotted_imports(parse(path)) if m.split(".")[0] in STOCK_SERVERS}
+    if name not in WORKERS:
+        assert not servers, f"{name} imports {sorted(servers)}: serve on net/ (net/server.py)"
+    assert servers <= PUBLIC_SERVER_API, f"{name} imports {sorted(servers - PUBLIC_SERVER_API)}: a server's internals"
