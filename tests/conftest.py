@@ -42,6 +42,21 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         return None
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Directory, level and mark agree: tests/unit is in process (never e2e), tests/e2e starts whole
+    fleets (all e2e), tests/integration one real process at a time, marked e2e where that process is
+    an agent, worker, engine or `fleet`. A test filed against its mark is a collection error."""
+    wrong = []
+    for item in items:
+        parts = item.path.relative_to(ROOT).parts
+        e2e = item.get_closest_marker("e2e") is not None
+        if parts[:2] == ("tests", "unit") and e2e or parts[:2] == ("tests", "e2e") and not e2e:
+            wrong.append(item.nodeid)
+    if wrong:
+        raise pytest.UsageError("tests/unit holds no e2e test and tests/e2e only e2e ones (tests/conftest.py); "
+                                "move or mark: " + ", ".join(wrong))
+
+
 @pytest.fixture
 def root() -> Path:
     return ROOT

@@ -47,6 +47,7 @@ Path(out).write_text(json.dumps([warm, plan()]))
 """
 
 
+@pytest.mark.e2e  # real fleet processes
 def test_a_warm_plan_loads_no_parser_no_validator_and_no_rich(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEET_CACHE_DIR", str(tmp_path / "cache"))
     fleet, snapshot, out = tmp_path / "fleet.yaml", tmp_path / "observed.json", tmp_path / "modules.json"

@@ -1,4 +1,5 @@
-"""`fleet validate` on the example fleet and on every deliberately broken file under examples/."""
+"""`fleet validate` on the example fleet and on every deliberately broken file under examples/: in
+process, and twice as the user runs it (a real `fleet` process, marked e2e)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def test_there_is_a_broken_file_per_class_of_mistake() -> None:
             "pipeline_gguf_unsupported", "pipeline_port_conflict", "yaml_integer_form", "invalid_address"} <= codes
 
 
+@pytest.mark.e2e  # a real fleet process
 def test_example_fleet_is_valid_as_a_user_runs_it() -> None:
     proc = run_cli("validate", str(ROOT / "fleet.yaml.example"))
     assert proc.returncode == 0, proc.stderr
@@ -77,6 +79,7 @@ def test_broken_file_exits_3_with_code_and_place(path: Path, capsys: pytest.Capt
         assert source_line.strip() in captured.err
 
 
+@pytest.mark.e2e  # a real fleet process
 def test_exit_code_3_from_the_real_command() -> None:
     proc = run_cli("validate", str(ROOT / "examples" / "broken" / "unknown-node.yaml"))
     assert proc.returncode == 3

@@ -1,6 +1,6 @@
 """AgentClient turns every kind of bad answer into an error naming the node (and the field). The
 answers travel in memory (MemoryTransport) but are read, at every cut, by the reader production
-runs on its sockets; tests/integration/test_client_state.py sends the same over loopback."""
+runs on its sockets; tests/unit/test_client_state.py sends the same over loopback."""
 
 from __future__ import annotations
 
