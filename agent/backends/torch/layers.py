@@ -44,22 +44,26 @@ class Rows:
 
     @staticmethod
     def empty(first: int, layers: int, rows: int, kv_heads: int, head_dim: int, capacity: int,
-              dtype: torch.dtype, device: torch.device, zero: bool = True) -> Rows:
+              dtype: torch.dtype, device: torch.device, zero: bool = True,
+              devices: Sequence[torch.device] | None = None) -> Rows:
         """Rows of this shape; `zero=False` leaves the keys and values uninitialised, for a caller
         that writes every column below `length` (no column at or past `length` is ever read, and a
-        padding column below it must hold finite values: the mask hides it by adding -inf)."""
+        padding column below it must hold finite values: the mask hides it by adding -inf).
+        `devices`: each layer's keys and values on its own (a model spread over GPUs by device_map
+        keeps each layer's cache where the layer runs); the mask and positions stay on `device`."""
         new = torch.zeros if zero else torch.empty
+        where = list(devices) if devices is not None else [device] * layers
 
-        def kv() -> torch.Tensor:
-            return new(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        return Rows([kv() for _ in range(layers)], [kv() for _ in range(layers)],
+        def kv(i: int) -> torch.Tensor:
+            return new(rows, kv_heads, capacity, head_dim, dtype=dtype, device=where[i])
+        return Rows([kv(i) for i in range(layers)], [kv(i) for i in range(layers)],
                     torch.zeros(rows, capacity, dtype=torch.bool, device=device),
                     torch.zeros(rows, dtype=torch.long, device=device), 0, first)
 
     def _like(self, rows: int, capacity: int, zero: bool = True) -> Rows:
         k = self.keys[0]
-        return Rows.empty(self.first, len(self.keys), rows, k.shape[1], k.shape[3], capacity, k.dtype, k.device,
-                          zero)
+        return Rows.empty(self.first, len(self.keys), rows, k.shape[1], k.shape[3], capacity, k.dtype,
+                          self.mask.device, zero, [t.device for t in self.keys])
 
     def reserve(self, columns: int) -> None:
         """Room for `columns` more tokens without reallocating during a forward."""
@@ -93,7 +97,7 @@ class Rows:
         width = self.length - start
         out = self._like(len(rows), width + HEADROOM, zero=False)  # [:width] copied, padding included
         for old, new in zip(self.keys + self.values, out.keys + out.values):
-            new[:, :, :width] = old[index, :, start:self.length]
+            new[:, :, :width] = old[index.to(old.device), :, start:self.length]
         out.mask[:, :width] = mask[:, start:]
         out.positions = self.positions[index].clone()
         out.length = width
@@ -158,10 +162,12 @@ class Stack:
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        # Where each layer runs: one device, or several where device_map spread the model over GPUs.
+        self.devices = [_device_of(layer, self.device) for layer in self.layers]
 
     def rows(self, n: int, capacity: int, zero: bool = True) -> Rows:
         return Rows.empty(self.first, len(self.layers), n, self.kv_heads, self.head_dim, capacity, self.dtype,
-                          self.device, zero)
+                          self.device, zero, self.devices)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.inner.embed_tokens(ids)
@@ -325,7 +331,7 @@ class Stack:
         rows = self.rows(n, width + HEADROOM, zero=False)  # every column below `width` is gathered
         flat = gather.reshape(-1)
         for new, old in zip(rows.keys + rows.values, line.keys + line.values):
-            new[:, :, :width] = old[0].index_select(1, flat).view(old.shape[1], n, width, -1).transpose(0, 1)
+            new[:, :, :width] = old[0].index_select(1, flat.to(old.device)).view(old.shape[1], n, width, -1).transpose(0, 1)
         rows.mask[:, :width] = gather != total
         rows.positions = torch.tensor([len(before) + len(tail) for tail, before in outs], dtype=torch.long,
                                       device=device)
@@ -342,6 +348,12 @@ class Stack:
         rows.length += 1
         rows.positions += 1
         return self.head(hidden)
+
+
+def _device_of(layer: Any, default: torch.device) -> torch.device:
+    """The device of a layer's weights (`default` for a layer without any)."""
+    weight = next(layer.parameters(), None)
+    return weight.device if weight is not None else default
 
 
 def _distinct(hits: Sequence[Hit | None]) -> list[tuple[Prefix, int]]:

@@ -99,8 +99,8 @@ class PrefixCache:
         used = rows.mask[row, :rows.length].nonzero().squeeze(1)
         assert used.numel() == len(key), "the row does not hold exactly these tokens"
         # index_select copies: the entry shares no memory with rows that go on decoding
-        self._entries[key] = Prefix(key, [k[row:row + 1].index_select(2, used) for k in rows.keys],
-                                    [v[row:row + 1].index_select(2, used) for v in rows.values])
+        self._entries[key] = Prefix(key, [k[row:row + 1].index_select(2, used.to(k.device)) for k in rows.keys],
+                                    [v[row:row + 1].index_select(2, used.to(v.device)) for v in rows.values])
         self.tokens += len(key)
         while self.tokens > self.capacity:
             self._drop(next(iter(self._entries)))
