@@ -18,7 +18,8 @@ from agent.backends.torch.layers import Rows, Stack
 from agent.backends.torch.prefix import PrefixCache
 from tests.models import tiny_safetensors
 
-pytestmark = pytest.mark.e2e  # loads a model into the engine's Stack, as test_prefix_cache.py does
+# It loads a model into the engine's Stack, as test_prefix_cache.py does.
+pytestmark = pytest.mark.e2e
 
 SPREAD = ["cpu", "meta", "cpu", "meta"]
 

@@ -17,7 +17,8 @@ import pytest
 
 from tests.integration.test_nvml_probe import GIB, H100, L4, answers, libdir, nvml_env
 
-pytestmark = pytest.mark.e2e  # builds the stand-in and runs the probe in its own process
+# It builds the stand-in and runs the probe in its own process.
+pytestmark = pytest.mark.e2e
 
 __all__ = ["libdir"]  # the fixture, imported to be used here
 
