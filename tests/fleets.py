@@ -8,7 +8,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import httpx
 
@@ -50,7 +50,15 @@ clusters:
         return {n: a.get("/v1/state").json() for n, a in self.agents.items()}
 
 
-def start_serve(f: Fleet, listen: str, interval: float = 1, timeout: float = 60) -> subprocess.Popen[str]:
+class Files(Protocol):
+    """What `fleet serve` needs of a fleet: its directory (serve.log goes there), file and state."""
+
+    base: Path
+    file: Path
+    state_dir: Path
+
+
+def start_serve(f: Files, listen: str, interval: float = 1, timeout: float = 60) -> subprocess.Popen[str]:
     """`fleet serve` on the fleet's file, its output in serve.log beside it, returned once it is up
     and one heartbeat was seen (the router then knows which servers run); the caller stops it."""
     log = open(f.base / "serve.log", "w")

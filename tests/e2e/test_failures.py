@@ -24,7 +24,7 @@ import pytest
 from agent.simulation.testmodel import Shape, make_gguf
 from tests.agents import Agent, agent_env, free_port
 from tests.conftest import fleet_bin
-from tests.fleets import import_model
+from tests.fleets import import_model, start_serve
 from tests.models import gguf_missing_tensor, tiny_gguf, tiny_safetensors
 
 pytestmark = pytest.mark.e2e
@@ -49,9 +49,13 @@ class Failing:
     plan: subprocess.CompletedProcess[str]
     apply: subprocess.CompletedProcess[str]
 
+    @property
+    def state_dir(self) -> Path:
+        return self.base / "state"
+
     def run(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([fleet_bin(), *args, "-f", str(self.file)], capture_output=True, text=True, timeout=120,
-                              env=agent_env(FLEET_STATE_DIR=str(self.base / "state")), stdin=subprocess.DEVNULL)
+                              env=agent_env(FLEET_STATE_DIR=str(self.state_dir)), stdin=subprocess.DEVNULL)
 
 
 def broken_models(models: Path) -> dict[str, Path]:
@@ -111,10 +115,7 @@ def failing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Failing]:
                     subprocess.CompletedProcess([], 0), subprocess.CompletedProcess([], 0))
         f.plan = f.run("plan")
         f.apply = f.run("apply", "--auto-approve")
-        log = open(base / "serve.log", "w")
-        serve = subprocess.Popen([fleet_bin(), "serve", "-f", str(f.file), "--interval", "0.5"],
-                                 env=agent_env(FLEET_STATE_DIR=str(base / "state")), stdout=log,
-                                 stderr=subprocess.STDOUT, text=True)
+        serve = start_serve(f, listen, interval=0.5)
         deadline = time.monotonic() + 60
         while True:  # until the heartbeat has recorded every server
             nodes = f.run("nodes", "--json")

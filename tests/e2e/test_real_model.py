@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -18,9 +17,8 @@ import httpx
 import openai
 import pytest
 
-from tests.agents import Agent, agent_env, free_port
-from tests.conftest import fleet_bin
-from tests.fleets import Fleet, import_model
+from tests.agents import Agent, free_port
+from tests.fleets import Fleet, import_model, start_serve
 from tests.models import smollm2_gguf
 
 pytestmark = pytest.mark.e2e
@@ -70,19 +68,7 @@ clusters:
 """)
         applied = f.run("apply", "--auto-approve", timeout=900)
         assert applied.returncode == 0, applied.stdout + applied.stderr
-        log = open(base / "serve.log", "w")
-        proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(f.file), "--interval", "1"],
-                                env=agent_env(FLEET_STATE_DIR=str(f.state_dir)), stdout=log,
-                                stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 60
-        while True:  # up, and one heartbeat seen: the router knows both servers run
-            try:
-                if httpx.get(f"http://{listen}/healthz", timeout=1).json().get("beats", 0) >= 1:
-                    break
-            except (httpx.TransportError, ValueError):
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, (base / "serve.log").read_text()
-            time.sleep(0.1)
+        proc = start_serve(f, listen)  # up, and one heartbeat seen: the router knows both servers run
         yield Served(f, f"http://{listen}/v1", ports)
     finally:
         if proc is not None:

@@ -9,17 +9,14 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import Iterator
 
 import httpx
 import pytest
 
-from tests.agents import Agent, agent_env, free_port
-from tests.conftest import fleet_bin
-from tests.fleets import Fleet, import_model
+from tests.agents import Agent, free_port
+from tests.fleets import Fleet, import_model, start_serve
 from tests.models import smollm2_gguf
 
 pytestmark = pytest.mark.e2e
@@ -54,19 +51,7 @@ clusters:
 """)
         applied = f.run("apply", "--auto-approve", timeout=900)
         assert applied.returncode == 0, applied.stdout + applied.stderr
-        log = open(base / "serve.log", "w")
-        proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(f.file), "--interval", "1"],
-                                env=agent_env(FLEET_STATE_DIR=str(f.state_dir)), stdout=log,
-                                stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 60
-        while True:  # up, and one heartbeat seen: the router knows the node's paths and its server
-            try:
-                if httpx.get(f"http://{listen}/healthz", timeout=1).json().get("beats", 0) >= 1:
-                    break
-            except (httpx.TransportError, ValueError):
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, (base / "serve.log").read_text()
-            time.sleep(0.1)
+        proc = start_serve(f, listen)  # up, and one heartbeat seen: the router knows the node's paths and its server
         yield f"http://{listen}/v1", agent
     finally:
         if proc is not None:
