@@ -107,11 +107,13 @@ def _peer_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
     read stops the agent at start, not its first fetch."""
     import ssl
 
+    from net.tls import client_context
+
     path = args.peer_ca_file or os.environ.get(PEER_CA_ENV)
     if not path:
         return None
     try:
-        return ssl.create_default_context(cafile=path)
+        return client_context(path)
     except (OSError, ssl.SSLError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise CannotStart(f"--peer-ca-file {path}: cannot read CA certificates from it: {reason}") from None

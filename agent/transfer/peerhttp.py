@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import trio
 
+from net.tls import client_context
 from wire.floor import FLOOR_S, Floor, pace
 from wire.http import MAX_HEAD, HeadTooLarge, MalformedHead, ResponseHead, split_head
 
@@ -124,7 +125,7 @@ async def _connect(base: str, ssl_context: ssl.SSLContext | None,
         # As the control plane checks an agent (reconciler/agents/transport.py): the certificate against the
         # name the peer goes by in fleet.yaml (sent as SNI too); its address is only where to connect.
         name = server_hostname or host
-        tls = trio.SSLStream(stream, ssl_context or ssl.create_default_context(), server_hostname=name)
+        tls = trio.SSLStream(stream, ssl_context or client_context(), server_hostname=name)
         try:
             await tls.do_handshake()
         except (trio.BrokenResourceError, OSError) as exc:

@@ -20,6 +20,7 @@ from wire import live
 from wire.http import HeadTooLarge, MalformedHead, split_head
 
 from net import sockio
+from net.tls import client_context
 from reconciler.agents.errors import AgentProtocolError, NodeUnreachable
 from reconciler.core.desired import NodeSpec
 
@@ -138,7 +139,7 @@ class SocketTransport:
         context = self._ssl.get(ca_file)
         if context is None:
             try:
-                context = self._ssl[ca_file] = ssl.create_default_context(cafile=ca_file)
+                context = self._ssl[ca_file] = client_context(ca_file)
             except BaseException:  # the CA file gone since the fleet file was read: no socket left behind
                 sockio.close(sock)
                 raise

@@ -36,9 +36,10 @@ def _name(common: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
 
 
-def make_pki(directory: Path) -> tuple[Path, Path]:
+def make_pki(directory: Path, san: bool = True) -> tuple[Path, Path]:
     """A CA (ca.pem) and, signed by it, a certificate for HOSTNAME only, no IP address (cert.pem,
-    key.pem): verified against the address, it fails."""
+    key.pem): verified against the address, it fails. `san=False`: the name in its common name alone,
+    as a certificate made without subjectAltName has it."""
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(_name("fleet test CA")).issuer_name(_name("fleet test CA"))
@@ -53,9 +54,10 @@ def make_pki(directory: Path) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     leaf = (x509.CertificateBuilder().subject_name(_name(HOSTNAME)).issuer_name(ca.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(HOSTNAME)]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1)))
+    if san:
+        leaf = leaf.add_extension(x509.SubjectAlternativeName([x509.DNSName(HOSTNAME)]), critical=False)
+    leaf = (leaf.add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
     (directory / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
@@ -124,6 +126,21 @@ def test_a_name_the_certificate_does_not_carry_is_a_tls_error_naming_the_node(
     assert done.returncode != 0, out
     assert "node_tls_failed" in out and "'node-a'" in out, out
     assert f"checked as '{hostname or ADDRESS}'" in out and "certificate verify failed" in out, out
+
+
+def test_a_certificate_naming_the_node_in_its_common_name_only_is_refused(tmp_path: Path) -> None:
+    """Python's ssl would fall back to the common name without a subjectAltName; fleet does not (as
+    browsers, curl and Go do not), so a certificate every other client refuses is not trusted here."""
+    (tmp_path / "pki").mkdir()
+    ca, cert = make_pki(tmp_path / "pki", san=False)
+    a = NamedAgent("node-a", ADDRESS, free_port(ADDRESS), tmp_path / "a", tls_cert=cert, ca=ca).start()
+    try:
+        done = fleet(tmp_path / "plan", a, hostname=HOSTNAME, ca_file=str(ca))
+    finally:
+        a.stop()
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "node_tls_failed" in out and "'node-a'" in out, out
+    assert "certificate verify failed" in out, out
 
 
 def test_a_ca_file_that_cannot_be_read_is_placed_in_the_fleet_file(tmp_path: Path, agent: Agent) -> None:
