@@ -291,3 +291,46 @@ clusters:
             apply.kill()
             apply.wait()
         agent.stop()
+
+
+def test_a_saved_plan_whose_gpu_filled_up_since_is_stale_and_a_new_plan_names_the_gpu(tmp_path: Path) -> None:
+    """Free memory is not in a saved plan's fingerprint (it always moves), but apply plans again and
+    compares: a start whose GPUs no longer fit is stale_plan, nothing applied, and the next plan
+    says what holds the GPU. (The agent's own refusal, for a start that reaches it anyway, is
+    test_servers_on_one_node_add_up_and_...)"""
+    gpus = tmp_path / "gpus.json"
+    gpu = {"name": "NVIDIA Simulated 1GiB", "uuid": "GPU-00000000-0000-4000-8000-00000000c000",
+           "memory_total_bytes": 1024 * MIB}
+    gpus.write_text(json.dumps([gpu]))
+    agent = Agent("cp", ADDRESSES["cp"], free_port(ADDRESSES["cp"]), tmp_path / "cp",
+                  args=["--simulate-gpus", str(gpus)])
+    try:
+        agent.start()
+        f = Fleet(tmp_path, {"cp": agent}, {"tiny": "sha256:" + "0" * 64,
+                                            "tiny-q": import_model(agent, tiny_gguf(tmp_path / "models"))})
+        f.file.write_text(f"""version: 1
+control_plane: {{node: cp}}
+nodes:
+  cp: {{address: {agent.address}, agent_port: {agent.port}}}
+models:
+  tiny-q: {{format: gguf, digest: "{f.digests['tiny-q']}", source: cp}}
+clusters:
+  late: {{model: tiny-q, members: [cp], port: {free_port(agent.address)}, settings: {{{SETTINGS}}}}}
+""")
+        saved = tmp_path / "plan.json"
+        plan = f.run("plan", "-o", str(saved))
+        assert plan.returncode == 0 and saved.exists(), plan.stdout + plan.stderr
+        assert "GPU 0" in plan.stdout, plan.stdout
+        gpus.write_text(json.dumps([{**gpu, "memory_free_bytes": 300 * MIB}]))  # another process took 724 MiB
+        applied = f.run("apply", str(saved))
+        out = applied.stdout + applied.stderr
+        assert applied.returncode != 0, out
+        assert "stale_plan" in out and "server.late@cp: details.gpus differs" in out and gpu["uuid"] in out, out
+        assert "nothing was applied" in out, out
+        assert agent.get("/v1/servers/late@cp").status_code == 404  # nothing started, nothing reserved
+        assert agent.get("/v1/state").json()["inventory"]["gpus"][0]["memory_free_bytes"] == 300 * MIB
+        again = f.run("plan", "--json")
+        refused = [d for d in json.loads(again.stdout)["diagnostics"] if d["code"] == "insufficient_vram"]
+        assert len(refused) == 1 and "cp GPU 0: 1.0 GiB, fleet 0.0 GiB, others 0.7 GiB" in refused[0]["summary"], refused
+    finally:
+        agent.stop()
