@@ -299,7 +299,7 @@ def test_a_saved_plan_whose_gpu_filled_up_since_is_stale_and_a_new_plan_names_th
     says what holds the GPU. (The agent's own refusal, for a start that reaches it anyway, is
     test_servers_on_one_node_add_up_and_...)"""
     gpus = tmp_path / "gpus.json"
-    gpu = {"name": "NVIDIA Simulated 1GiB", "uuid": "GPU-00000000-0000-4000-8000-00000000c000",
+    gpu: dict[str, Any] = {"name": "NVIDIA Simulated 1GiB", "uuid": "GPU-00000000-0000-4000-8000-00000000c000",
            "memory_total_bytes": 1024 * MIB}
     gpus.write_text(json.dumps([gpu]))
     agent = Agent("cp", ADDRESSES["cp"], free_port(ADDRESSES["cp"]), tmp_path / "cp",
