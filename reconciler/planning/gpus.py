@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import AbstractSet, Any, Mapping
 
 from wire.plan_details import GPU_SEQUENCES, GpuShare, ServerSettings, VramEstimate
 
@@ -125,6 +125,10 @@ def gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
+_NOTHING: frozenset[str] = frozenset()
+_NO_PLAN: dict[str, int] = {}  # never written: a GPU's held is only read, Gpu.reserve makes its own plan
+
+
 class Gpu:
     """One GPU of one node in the ledger. Its sums are kept as reservations are given back and
     made (release, reserve), not summed again each time they are read: a plan of 10,000 placed
@@ -138,19 +142,23 @@ class Gpu:
         self.held = held  # server id -> bytes its agent reserved for it here (servers starting or running)
         fleet = sum(held.values())
         self.others = max(0, total - free - fleet)  # used by processes that are not fleet's
-        self.released: set[str] = set()  # servers this plan replaces or stops
-        self.planned: dict[str, int] = {}  # server id -> bytes this plan reserves
+        # Servers this plan replaces or stops, and server id -> bytes this plan reserves: shared empty
+        # ones until the first (80,000 GPUs, most of which this plan never touches).
+        self.released: AbstractSet[str] = _NOTHING
+        self.planned: dict[str, int] = _NO_PLAN
         self.fleet = fleet  # fleet's reservations here that stay
         self.after = total - self.others - fleet  # free once this plan's reservations are made (may go negative)
 
     def release(self, sid: str) -> None:
         """`sid`'s reservation here given back, if it holds one."""
         if sid in self.held and sid not in self.released:
-            self.released.add(sid)
+            self.released = self.released | {sid}
             self.fleet -= self.held[sid]
             self.after += self.held[sid]
 
     def reserve(self, sid: str, size: int) -> None:
+        if self.planned is _NO_PLAN:
+            self.planned = {}
         self.after += self.planned.get(sid, 0) - size
         self.planned[sid] = size
 
@@ -273,5 +281,5 @@ def _build(obs: ObservedNode) -> list[Gpu]:
         if srv.state in ACTIVE:
             for index, _uuid, b in srv.gpus:
                 held.setdefault(index, {})[sid] = b
-    return [Gpu(index, uuid, name, total, free, held.get(index) or {})
+    return [Gpu(index, uuid, name, total, free, held.get(index, _NO_PLAN))  # held is only read
             for (name, free, total), (index, uuid) in zip(obs.gpus, ids)]
