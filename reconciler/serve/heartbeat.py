@@ -33,22 +33,85 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+class Nodes(dict[str, ObservedNode]):
+    """View.nodes: a dict that counts its changes, so that what serve derives from it (View.members)
+    is worked out once after each change (a beat, a refresh), not on every request."""
+
+    changes = 0
+
+    def __setitem__(self, key: str, value: ObservedNode) -> None:
+        super().__setitem__(key, value)
+        self.changes += 1
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.changes += 1
+
+    def pop(self, *args: Any) -> Any:
+        self.changes += 1
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[str, ObservedNode]:
+        self.changes += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        super().clear()
+        self.changes += 1
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super().update(*args, **kwargs)
+        self.changes += 1
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self.changes += 1
+        return super().setdefault(key, default)
+
+    def __ior__(self, other: Any) -> Any:  # type: ignore[misc]  # dict's own |= bypasses update()
+        self.changes += 1
+        return super().__ior__(other)
+
+
 @dataclass
 class View:
     """The latest beat, in memory, for the router: which members are up and what to scrub; and
     which members are drained (server ids), kept by the drain watcher (serve/drains.py)."""
 
-    nodes: dict[str, ObservedNode] = field(default_factory=dict)  # node → what it last reported
+    nodes: dict[str, ObservedNode] = field(default_factory=Nodes)  # node → what it last reported
     online: dict[str, bool] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
     beats: int = 0
     draining: set[str] = field(default_factory=set)
     plan: Plan | None = None  # the drift plan of the latest beat
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.nodes, Nodes):
+            self.nodes = Nodes(self.nodes)
+        self._placed: tuple[Desired, Nodes, int, dict[str, tuple[str, ...]]] | None = None
+
     def members(self, d: Desired, c: ClusterSpec) -> tuple[str, ...]:
         """The cluster's members as serve routes to them and shows them: fleet.yaml's names, or for a
-        placed cluster (members: {count}) the nodes whose agents last reported its server."""
-        return c.members if c.placement is None else members_of(d, Observed(self.nodes), c.name)
+        placed cluster (members: {count}) the nodes whose agents last reported its server: the
+        answer of placement.members_of, for every placed cluster at once in one walk over the
+        nodes, again only once the nodes have changed (the router asks on every request)."""
+        if c.placement is None:
+            return c.members
+        nodes = self.nodes
+        if not isinstance(nodes, Nodes):  # replaced by a plain dict: no count of its changes to trust
+            return members_of(d, Observed(nodes), c.name)
+        kept = self._placed
+        if kept is None or kept[0] is not d or kept[1] is not nodes or kept[2] != nodes.changes:
+            found: dict[str, list[str]] = {}
+            for n in d.nodes:  # in the file's order, as members_of names them
+                seen = nodes.get(n)
+                if seen is None:
+                    continue
+                tail = "@" + n
+                for sid in seen.servers:
+                    if sid.endswith(tail):  # server_id(cluster, n)
+                        found.setdefault(sid[:-len(tail)], []).append(n)
+            kept = self._placed = (d, nodes, nodes.changes, {k: tuple(v) for k, v in found.items()})
+        return kept[3].get(c.name, ())
 
 
 class Heartbeat:
