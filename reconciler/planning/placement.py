@@ -84,9 +84,11 @@ def place(d: Desired, o: Observed, ok: dict[str, ObservedNode], diags: list[Diag
                 passed.append(f"{n}: port {c.port} is another cluster's there")
                 continue
             candidates.append(n)
-        settings = ServerSettings()
+        settings = ServerSettings()  # what the estimate reads, as the start's own settings will say it
         if c.settings.context_length is not None:
             settings["context_length"] = c.settings.context_length
+        if c.settings.parallel is not None:
+            settings["parallel"] = c.settings.parallel
 
         def gpus_for(n: str) -> int:
             pinned = c.settings.gpus_for(n)
