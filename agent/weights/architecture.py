@@ -69,19 +69,10 @@ def from_gguf_fields(fields: dict[str, Any]) -> Architecture | None:
 
 
 def _gguf_fields(path: Path) -> dict[str, Any]:
-    read_gguf(path, os.stat(path).st_size)  # its bounds first: no count the file claims is believed past its size
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    out: dict[str, Any] = {}
-    for name in reader.fields:
-        if name == "general.architecture" or name.split(".", 1)[-1] in (
-                "block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
-                "attention.key_length"):
-            value = reader.fields[name].contents()
-            # head_count_kv may be a per-layer array (some architectures): its largest sizes the cache
-            out[name] = max(value) if isinstance(value, list) and value else value
-    return out
+    """The metadata the cache is sized by, from read_gguf's one parse (its bounds first: no count the
+    file claims is believed past its size)."""
+    shape: dict[str, Any] = read_gguf(path, os.stat(path).st_size)["shape"]
+    return shape
 
 
 def read(fmt: str, path: Path) -> Architecture | None:

@@ -184,9 +184,15 @@ def _check_tensor(info: Any) -> str | None:
     return None
 
 
+SHAPE_KEYS = ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
+              "attention.key_length")  # {arch}.KEY
+
+
 def read_gguf(path: Path, size: int) -> dict[str, Any]:
-    """Check a GGUF file with the `gguf` library's reader: {"architecture", "tensors", "version"}.
-    The fixed header is read first, so that no count the file claims is believed past its size."""
+    """Check a GGUF file with the `gguf` library's reader: {"architecture", "tensors", "version",
+    "shape"} (shape: the metadata the KV cache is sized by, agent/weights/architecture.py, read by the
+    same parse). The fixed header is read first, so that no count the file claims is believed past
+    its size."""
 
     def bad(message: str) -> HeaderError:
         return HeaderError("invalid_gguf", f"{path}: {message}")
@@ -215,6 +221,12 @@ def read_gguf(path: Path, size: int) -> dict[str, Any]:
         architecture = str(arch.contents()) if arch is not None else None
         infos = [(f.name, f.parts) for f in (t.field for t in reader.tensors)]
         alignment, data_offset = int(reader.alignment), int(reader.data_offset)
+        shape: dict[str, Any] = {}
+        for key in reader.fields:
+            if key.split(".", 1)[-1] in SHAPE_KEYS:
+                value = reader.fields[key].contents()
+                # head_count_kv may be a per-layer array (some architectures): its largest sizes the cache
+                shape[key] = max(value) if isinstance(value, list) and value else value
     except Exception as exc:  # the reader's words for a truncated or corrupt file, in one line
         words = str(exc).splitlines()[0][:200] if str(exc) else ""
         raise bad(f"not a readable GGUF file (truncated or corrupt): {type(exc).__name__}: {words}") from None
@@ -241,4 +253,5 @@ def read_gguf(path: Path, size: int) -> dict[str, Any]:
     for (_, prev_end, prev), (begin, _, name) in zip(extents, extents[1:]):
         if begin < prev_end:
             raise bad(f"tensors {prev[:80]!r} and {name[:80]!r} overlap")
-    return {"architecture": architecture, "tensors": len(infos), "version": version}
+    return {"architecture": architecture, "tensors": len(infos), "version": version,
+            "shape": {"general.architecture": architecture, **shape}}

@@ -57,11 +57,23 @@ def test_the_state_carries_each_held_models_architecture_read_once(tmp_path: Pat
     weights_item = schema["properties"]["weights"]["items"]
     for entry in store.entries():
         Draft202012Validator(weights_item).validate(entry)
-    # Kept: the model directory's config.json gone (it never changes under its digest), still reported
+    # Read as the model came in and kept in its meta: with the model's own headers gone (they never
+    # change under its digest), the state still says it, in a fresh process too, so the state's path
+    # never parses a GGUF's metadata (seconds for a real vocabulary, on the agent's event loop).
     config = store.model_dir(st) / "config.json"
     config.unlink()
-    assert store.entry(st)["architecture"] == {**want, "kv_dtype_bytes": 4}
-    assert "architecture" not in Store(tmp_path / "home").entry(st)  # a fresh read finds no config.json
+    gguf = Path(store.entry(gg)["path"])
+    gguf.write_bytes(b"")  # the blob's own inode: its headers are gone
+    fresh = Store(tmp_path / "home")
+    assert fresh.entry(st)["architecture"] == {**want, "kv_dtype_bytes": 4}
+    assert fresh.entry(gg)["architecture"] == {**want, "kv_dtype_bytes": 2}
+    # A model committed before the meta kept it is read once in the process (and then kept there)
+    meta = tmp_path / "home" / "store" / "meta" / f"{st[7:]}.json"
+    assert meta.is_file(), sorted((tmp_path / "home").rglob("meta/*"))
+    kept = json.loads(meta.read_text())
+    del kept["architecture"]
+    meta.write_text(json.dumps(kept))
+    assert "architecture" not in Store(tmp_path / "home").entry(st)  # config.json is gone: nothing to read
 
 
 def test_a_plans_vram_estimate_sizes_the_kv_cache_from_the_agents_report(tmp_path: Path) -> None:
