@@ -6,9 +6,7 @@ corrupt piece is discarded and named, a resume re-checks what is held and goes o
 from __future__ import annotations
 
 import hashlib
-import inspect
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -103,16 +101,6 @@ def test_a_cancelled_fetch_leaves_no_hashing_thread_and_its_abandoned_receiver_s
     assert part.stat().st_size == partial.verified == 0  # what is kept ends on a piece boundary, for the resume
 
 
-def waiting_for_the_turn() -> bool:
-    """Whether a thread is in HashThread.close, blocked taking the turn that a receiver holds: all a
-    fetch that waits for the block in flight can do until that block is done. Read from the
-    threads' frames (no product code replaced); never true of a HashThread without that turn."""
-    lines, first = inspect.getsourcelines(HashThread.close)
-    at = {first + i for i, line in enumerate(lines) if "self._turn.acquire(" in line}
-    code = HashThread.close.__code__
-    return any(f.f_code is code and f.f_lineno in at for f in sys._current_frames().values())
-
-
 class HeldJob:
     """A job whose counters, when the receiving thread counts its second block (written, not yet
     checked), cancel the fetch and hold that block in flight until the fetch's own thread touches
@@ -129,7 +117,19 @@ class HeldJob:
         self.fetch_thread = threading.current_thread()
         self.touched = threading.Event()
         self.touched_in_flight = self.seen_waiting = False
+        self.hashers: list[HashThread] = []  # the fetch's hash threads (write_pieced's `hashing`)
         self._done = 0
+
+    def hashing(self, check: Any) -> HashThread:
+        made = HashThread(check)
+        self.hashers.append(made)
+        return made
+
+    def close_waits_for_the_turn(self) -> bool:
+        """Whether the fetch has begun closing its hash thread while this receiver, inside its block's
+        turn, holds that turn: close marks itself closed before it takes the turn, so it is then
+        waiting for this block to end, which is all a fetch may do until the block is done."""
+        return any(h.closed for h in self.hashers)
 
     @property
     def bytes_done(self) -> int:
@@ -148,7 +148,7 @@ class HeldJob:
             trio.from_thread.run_sync(self.cancel)
             end = time.monotonic() + self.SAFETY_S
             while not self.touched.wait(0.005) and time.monotonic() < end:
-                if waiting_for_the_turn():
+                if self.close_waits_for_the_turn():
                     self.seen_waiting = True
                     break
             self.touched_in_flight = self.touched.is_set()
@@ -184,7 +184,7 @@ def test_a_cancelled_fetch_cuts_its_file_back_only_after_the_block_in_flight(tmp
     async def main() -> None:
         with trio.CancelScope() as scope:
             job.cancel = scope.cancel
-            await write_pieced(job, part, f, partial, download, tmp_path / "dest", "n1")
+            await write_pieced(job, part, f, partial, download, tmp_path / "dest", "n1", hashing=job.hashing)
         at_return.update(size=part.stat().st_size, verified=partial.verified, done=job.bytes_done)
 
     job = HeldJob()
