@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 from agent.weights.store import Store
 from agent.simulation.testmodel import Shape, make_gguf, make_safetensors
@@ -164,3 +165,21 @@ def make_adapter(base_model: Path, out: Path) -> None:
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     peft_model.save_pretrained(out)
+
+
+def peft_reference(base_model: Path, adapter: Path | None, question: str, tokens: int) -> str:
+    """The greedy answer to `question` of transformers' generate on the whole base, with peft's own
+    merge of `adapter` (None: the base alone): what an adapter served by fleet must answer."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
+    model: Any = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32, local_files_only=True)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    ids: Any = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False)
+    return str(tok.decode(out[0, len(ids):], skip_special_tokens=True))

@@ -25,29 +25,12 @@ from wire.command_line import Exit
 from tests.agents import SECRET, Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import Fleet, import_model, start_serve
-from tests.models import make_adapter, tiny_safetensors
+from tests.models import make_adapter, peft_reference, tiny_safetensors
 
 pytestmark = pytest.mark.e2e
 QUESTION = "What is the capital of France? Answer in one sentence."
 TOKENS = 12
 ADDRESSES = {"cp": "127.0.0.70", "a": "127.0.0.71"}
-
-
-def reference(base_model: Path, adapter: Path | None) -> str:
-    """The greedy answer of transformers' generate on the base, with peft's own merge of `adapter`."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
-    model: Any = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32, local_files_only=True)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    ids = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False)
-    return str(tok.decode(out[0, len(ids):], skip_special_tokens=True))
 
 
 class World:
@@ -69,7 +52,8 @@ class World:
 def world(tmp_path_factory: pytest.TempPathFactory, smollm2_f32: Path) -> Iterator[World]:
     base = tmp_path_factory.mktemp("adapter")
     make_adapter(smollm2_f32, base / "lora")
-    refs = {"tuned": reference(smollm2_f32, base / "lora"), "plain": reference(smollm2_f32, None)}
+    refs = {"tuned": peft_reference(smollm2_f32, base / "lora", QUESTION, TOKENS),
+            "plain": peft_reference(smollm2_f32, None, QUESTION, TOKENS)}
     port = free_port(*ADDRESSES.values())
     agents = {n: Agent(n, addr, port, base / n) for n, addr in ADDRESSES.items()}
     proc = None

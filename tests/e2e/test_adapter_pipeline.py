@@ -22,7 +22,7 @@ from wire.manifest import layer_of
 
 from tests.agents import Agent, free_port
 from tests.fleets import Fleet, import_model, start_serve
-from tests.models import make_adapter
+from tests.models import make_adapter, peft_reference
 
 pytestmark = pytest.mark.e2e
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -31,26 +31,10 @@ ADDRESSES = {"cp": "127.0.0.72", "a": "127.0.0.73", "b": "127.0.0.74"}
 STAGES = {"a": "0-14", "b": "15-29"}
 
 
-def reference(base_model: Path, adapter: Path | None) -> str:
-    """The greedy answer of transformers' generate on the whole base, with peft's own merge of `adapter`."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(base_model, local_files_only=True)
-    model: Any = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32, local_files_only=True)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    ids = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False)
-    return str(tok.decode(out[0, len(ids):], skip_special_tokens=True))
-
-
 def test_a_two_stage_pipeline_merges_each_stage_s_part_of_the_adapter(tmp_path: Path, smollm2_f32: Path) -> None:
     make_adapter(smollm2_f32, tmp_path / "lora")
-    refs = {"tuned": reference(smollm2_f32, tmp_path / "lora"), "plain": reference(smollm2_f32, None)}
+    refs = {"tuned": peft_reference(smollm2_f32, tmp_path / "lora", QUESTION, TOKENS),
+            "plain": peft_reference(smollm2_f32, None, QUESTION, TOKENS)}
     assert refs["tuned"] != refs["plain"], refs  # the adapter changes the answer
     port = free_port(*ADDRESSES.values())
     agents = {n: Agent(n, addr, port, tmp_path / n) for n, addr in ADDRESSES.items()}
