@@ -323,37 +323,29 @@ class Workers:
 
     def _stage_model(self, digest: str, details: PipelineDetails) -> WeightsEntry:
         """The slice a pipeline stage serves: held, and of the layers its place in the group says."""
-        if not self.store.is_present(digest):
-            raise RequestRefused(409, "model_not_held", f"model {digest} is not held on this node; replicate it first")
-        entry = self.store.entry(digest)
-        _refuse_corrupt(entry)
-        rank = details["rank"]
-        wanted = LayerRange.parse(details["stages"][rank]["layers"])
-        held = entry["slice"]
-        if held is None or LayerRange.parse(held["layers"]) != wanted:
-            what = f"layers {held['layers']}" if held else "the whole model"
-            raise RequestRefused(409, "pipeline_slice_mismatch", f"model {digest} holds {what}, but stage {rank} of "
-                                                          f"pipeline {details['group']} serves layers {wanted}")
-        return entry
+        return self._stage_slice(digest, details, "model", "serves")
 
     def _stage_adapter(self, digest: str, details: PipelineDetails) -> WeightsEntry:
         """The slice of a LoRA adapter a pipeline stage merges: held, an adapter, of the stage's layers."""
+        return self._stage_slice(digest, details, "adapter", "merges")
+
+    def _stage_slice(self, digest: str, details: PipelineDetails, kind: str, verb: str) -> WeightsEntry:
+        """A stage's slice of a model (kind "model") or of a PEFT adapter ("adapter"): held here, not
+        corrupt, of the right format, and of exactly the layers the stage's place in the group says."""
         if not self.store.is_present(digest):
-            raise RequestRefused(409, "model_not_held", f"adapter {digest} is not held on this node; replicate it "
-                                                        "first")
+            raise RequestRefused(409, "model_not_held", f"{kind} {digest} is not held on this node; replicate it first")
         entry = self.store.entry(digest)
         _refuse_corrupt(entry)
-        if entry["format"] != "peft":
+        if kind == "adapter" and entry["format"] != "peft":
             raise RequestRefused(409, "not_an_adapter", f"adapter {digest} is held here, but as a model, not a PEFT "
                                                         "adapter")
         rank = details["rank"]
         wanted = LayerRange.parse(details["stages"][rank]["layers"])
         held = entry["slice"]
         if held is None or LayerRange.parse(held["layers"]) != wanted:
-            what = f"layers {held['layers']}" if held else "the whole adapter"
-            raise RequestRefused(409, "pipeline_slice_mismatch", f"adapter {digest} holds {what}, but stage {rank} "
-                                                                 f"of pipeline {details['group']} merges layers "
-                                                                 f"{wanted}")
+            what = f"layers {held['layers']}" if held else f"the whole {kind}"
+            raise RequestRefused(409, "pipeline_slice_mismatch", f"{kind} {digest} holds {what}, but stage {rank} of "
+                                                                 f"pipeline {details['group']} {verb} layers {wanted}")
         return entry
 
     def start(self, body: dict[str, Any], present: Sequence[GpuJson] = ()) -> Server:
