@@ -98,7 +98,7 @@ def _check_tls_pair(cert: str, key: str) -> None:
     except (OSError, ssl.SSLError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise CannotStart(f"--tls-cert {cert} --tls-key {key}: cannot load the certificate with its key: "
-                          f"{reason}") from None
+                          f"{reason}", "tls_cert_unusable") from None
 
 
 def _peer_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
