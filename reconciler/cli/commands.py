@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,7 +114,7 @@ def _plan(loaded: config.Loaded, args: argparse.Namespace) -> Plan:
     warnings = tuple(d for d in loaded.diagnostics if not d.is_error)
     p = make_plan(loaded.desired, observed, targets=tuple(args.target or ()),
                   config_digest=loaded.digest or "", config_file=loaded.filename)
-    return Plan(p.changes, warnings + p.diagnostics, p.config_digest, p.config_file, p.fingerprints, p.targets)
+    return replace(p, diagnostics=warnings + p.diagnostics)  # the planner's plan, the file's warnings first
 
 
 def plan_json(document: dict[str, Any]) -> str:

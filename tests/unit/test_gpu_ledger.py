@@ -3,9 +3,18 @@ cases (tests/cases/gpu-*) that show them in whole plans."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from reconciler.cache.observed import OFF_ENV
+from reconciler.cli import main as cli
 from reconciler.core.observed import ObservedNode, ObservedServer
+from reconciler.fleetfile import config
 from reconciler.planning.gpus import ENGINE_OVERHEAD, Arch, Ledger, estimate, manifest_arch
-from tests.golden import CASES, run_case
+from tests.golden import CASES, run_case, snapshot
 
 GIB = 1 << 30
 
@@ -70,6 +79,23 @@ def test_a_plans_json_carries_each_part_of_the_estimate() -> None:
     assert "8 KV heads x 128, as its agent reports" in vram["basis"]
     assert start.details["gpus"] == [{"index": 0, "uuid": "GPU-0", "bytes": vram["total_bytes"]}]
     assert [row["index"] for row in plan.to_json()["gpus"]] == [0]  # the GPU it reserves on, not GPU 1
+
+
+def test_fleet_plan_prints_the_gpus_it_reserves_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The command's plan is the planner's, GPU rows and all (`fleet plan` once rebuilt it without them)."""
+    monkeypatch.setenv(OFF_ENV, "off")
+    case = CASES / "gpu-kv-cache-from-architecture"
+    loaded = config.load(case / "fleet.yaml")
+    observed = tmp_path / "observed.json"
+    observed.write_text(json.dumps(snapshot(loaded.document.data,  # type: ignore[union-attr]
+                                            yaml.safe_load((case / "observed.yaml").read_text()))))
+    args = ["plan", "-f", str(case / "fleet.yaml"), "--observed", str(observed)]
+    cli.run([*args, "--json"])
+    rows = json.loads(capsys.readouterr().out)["gpus"]
+    assert rows == run_case(case).to_json()["gpus"] and [row["index"] for row in rows] == [0]
+    cli.run(args)
+    assert "GPUs of the nodes this plan starts servers on:" in capsys.readouterr().out
 
 
 def test_nodes_wide_shows_each_gpus_servers() -> None:
