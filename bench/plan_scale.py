@@ -130,7 +130,8 @@ def split(path: Path, secret: str, cache_dir: Path, profile: Path | None = None)
         step("ask the agents")
         cache.save(loaded.desired, observed, held)
         step("keep the states")
-    p = plan(loaded.desired, observed, config_digest=loaded.digest or "", config_file=loaded.filename)
+    with kept_to_the_end():  # as fleet plan does (commands._plan)
+        p = plan(loaded.desired, observed, config_digest=loaded.digest or "", config_file=loaded.filename)
     step("plan")
     planned = steps[-1][1]
     if profile is not None:

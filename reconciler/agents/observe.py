@@ -159,7 +159,10 @@ def kept_to_the_end() -> Iterator[None]:
     until the process ends: the cyclic collector paused while the states arrive (at 10,000 nodes
     about a million objects, none of them garbage; its passes over them were 360 ms of CPU), and
     what exists afterwards frozen out of later full collections, which walked it again while the
-    plan was made and written out (another 320 ms). Not for the heartbeat: it lets go of old states."""
+    plan was made and written out (another 320 ms). Around the planning of fleet plan and apply too:
+    the plan's objects (with GPUs, a ledger entry for each GPU of the nodes it places on) are none
+    of them garbage either, and a full collection over them came with each plan (bench/plan_scale
+    --gpu-sizes). Not for the heartbeat: it lets go of old states and plans."""
     collecting = gc.isenabled()
     gc.disable()
     try:

@@ -112,8 +112,9 @@ def _plan(loaded: config.Loaded, args: argparse.Namespace) -> Plan:
         with kept_to_the_end():
             observed = trio.run(_observe, loaded.desired, args.timeout, _secret(), _cache(loaded))
     warnings = tuple(d for d in loaded.diagnostics if not d.is_error)
-    p = make_plan(loaded.desired, observed, targets=tuple(args.target or ()),
-                  config_digest=loaded.digest or "", config_file=loaded.filename)
+    with kept_to_the_end():  # the plan too lives until the command ends
+        p = make_plan(loaded.desired, observed, targets=tuple(args.target or ()),
+                      config_digest=loaded.digest or "", config_file=loaded.filename)
     return replace(p, diagnostics=warnings + p.diagnostics)  # the planner's plan, the file's warnings first
 
 
