@@ -72,6 +72,8 @@ class Settings:
     gpus: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def gpus_for(self, node: str) -> tuple[int, ...] | None:
+        if not self.gpus:  # the common case: asked per member and candidate, 40,000 times at 10,000 nodes
+            return None
         own = next((g for n, g in self.gpus if n == node), None)
         return own if own is not None else next((g for n, g in self.gpus if n == "*"), None)
 

@@ -140,14 +140,17 @@ class Gpu:
     def __init__(self, index: int, uuid: str, name: str, total: int, free: int, held: dict[str, int]) -> None:
         self.index, self.uuid, self.name, self.total, self.free = index, uuid, name, total, free
         self.held = held  # server id -> bytes its agent reserved for it here (servers starting or running)
-        fleet = sum(held.values())
-        self.others = max(0, total - free - fleet)  # used by processes that are not fleet's
+        self.others = max(0, total - free - sum(held.values()))  # used by processes that are not fleet's
+        self.reset()
+
+    def reset(self) -> None:
+        """As the agent's figures alone make it: nothing given back, nothing reserved by this plan."""
         # Servers this plan replaces or stops, and server id -> bytes this plan reserves: shared empty
         # ones until the first (80,000 GPUs, most of which this plan never touches).
         self.released: AbstractSet[str] = _NOTHING
         self.planned: dict[str, int] = _NO_PLAN
-        self.fleet = fleet  # fleet's reservations here that stay
-        self.after = total - self.others - fleet  # free once this plan's reservations are made (may go negative)
+        self.fleet = sum(self.held.values())  # fleet's reservations here that stay
+        self.after = self.total - self.others - self.fleet  # free once this plan's reservations are made (may go negative)
 
     def release(self, sid: str) -> None:
         """`sid`'s reservation here given back, if it holds one."""
@@ -210,6 +213,16 @@ class Ledger:
         self._gpus: dict[str, list[Gpu]] = {}
         # Nodes this plan reserves on or refuses, in the order it did: a refused one shows every GPU.
         self.touched: dict[str, bool] = {}
+        self._written: list[Gpu] = []  # the GPUs given back or reserved on, for reset()
+
+    def reset(self) -> None:
+        """Every share given back and every reservation made undone, and the nodes touched
+        forgotten: the ledger as the agents' figures alone make it, its GPUs still built (placement
+        tries candidates on the plan's ledger, then hands it back so)."""
+        for g in self._written:
+            g.reset()
+        self._written.clear()
+        self.touched.clear()
 
     def gpus(self, node: str) -> list[Gpu]:
         got = self._gpus.get(node)
@@ -220,7 +233,9 @@ class Ledger:
     def release(self, node: str, sid: str) -> None:
         """`sid`'s reservations on `node` given back (it is replaced or stopped by this plan)."""
         for g in self.gpus(node):
-            g.release(sid)
+            if sid in g.held:
+                g.release(sid)
+                self._written.append(g)
 
     def assign(self, node: str, sid: str, need: int, n: int, pinned: tuple[int, ...] | None) -> Assigned:
         """`n` GPUs for server `sid` needing `need` bytes in all (need / n on each), best fit: the GPUs
@@ -260,6 +275,7 @@ class Ledger:
             chosen = sorted(fits[:n], key=lambda g: g.index)
         for g in chosen:
             g.reserve(sid, share)
+        self._written += chosen
         self.touched.setdefault(node, False)
         return Assigned([GpuShare(index=g.index, uuid=g.uuid, bytes=share) for g in chosen])
 
@@ -267,7 +283,7 @@ class Ledger:
         """The GPUs this plan reserves on or gives back, and every GPU of a node where it refused
         one: a plan of 10,000 starts on nodes of 8 GPUs carries 10,000 rows, not 80,000."""
         return [g.to_json(node) for node, every in self.touched.items() for g in self.gpus(node)
-                if every or g.planned or g.released & g.held.keys()]
+                if every or g.planned or any(s in g.held for s in g.released)]
 
     def best_after(self, node: str) -> int:
         """The most any one GPU of `node` has free after this plan (0 without GPUs)."""

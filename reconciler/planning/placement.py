@@ -11,8 +11,9 @@ needs is another cluster's there, are passed over; one member a node. Each place
 the change's reason; a cluster that cannot be placed whole is the plan error placement_failed,
 naming what is short and the best candidate's figures.
 
-Placement is tried on a ledger of its own (reconciler/planning/gpus.py): the planner's ledger then
-checks and assigns the GPUs of every start as for any listed member."""
+Placement is tried on the plan's ledger (reconciler/planning/gpus.py), and its trials are undone
+before it returns: the planner then checks and assigns the GPUs of every start on that ledger as
+for any listed member, each node's GPUs built once a plan."""
 
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ class Placed:
 
 
 def place(d: Desired, o: Observed, ok: dict[str, ObservedNode], diags: list[Diagnostic],
-          archs: Archs | None = None) -> Placed:
+          archs: Archs | None = None, ledger: Ledger | None = None) -> Placed:
+    """`ledger`: the plan's, over `ok` and untouched, on which candidates are tried (then undone)."""
     placed = [c for c in d.clusters.values() if c.placement is not None]
     if not placed:
         return Placed(d, {})
-    ledger = Ledger(ok)
+    ledger = ledger if ledger is not None else Ledger(ok)
     arch_of = archs or Archs(o)
     order = {n: i for i, n in enumerate(d.nodes)}
     ports: dict[str, set[int]] = {}  # node -> ports taken there by listed members
@@ -55,6 +57,7 @@ def place(d: Desired, o: Observed, ok: dict[str, ObservedNode], diags: list[Diag
     replicas = list(d.replicas)
     held_where = {(r.model, r.node) for r in replicas}
     memory: dict[str, int] = {n: obs.memory_available for n, obs in ok.items()}  # CPU-only nodes, as placed
+    serve_port = _serve_port(d)
     reasons: dict[tuple[str, str], str] = {}
     for c in placed:
         assert c.placement is not None
@@ -80,7 +83,7 @@ def place(d: Desired, o: Observed, ok: dict[str, ObservedNode], diags: list[Diag
             if not inside(d, n, obs):
                 passed.append(f"{n}: outside its availability window")
                 continue
-            if c.port in ports.get(n, ()) or (n, c.port) == _serve_port(d) or c.port == ns.agent_port:
+            if c.port in ports.get(n, ()) or (n, c.port) == serve_port or c.port == ns.agent_port:
                 passed.append(f"{n}: port {c.port} is another cluster's there")
                 continue
             candidates.append(n)
@@ -180,6 +183,7 @@ def place(d: Desired, o: Observed, ok: dict[str, ObservedNode], diags: list[Diag
                     replicas.append(ReplicaSpec(model=m, node=n))
                     held_where.add((m, n))
         clusters[c.name] = replace(c, members=members)
+    ledger.reset()
     return Placed(replace(d, clusters=clusters, replicas=tuple(replicas)), reasons)
 
 

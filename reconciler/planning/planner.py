@@ -339,7 +339,7 @@ class _Planner:
                                               {**ch.details, "vram": vram}, ch.drift)
                 continue
             deps = ch.depends_on
-            if "pipeline" not in ch.details:
+            if replacing and "pipeline" not in ch.details:
                 chosen = {s["index"] for s in got.shares}
                 deps += tuple(dict.fromkeys(
                     replacing[(ask.node, other)] for g in self.ledger.gpus(ask.node) if g.index in chosen
@@ -413,7 +413,7 @@ class _Planner:
 
     def run(self) -> None:
         self.check_nodes()
-        placed = place(self.d, self.o, self.ok, self.diags, self.arch)
+        placed = place(self.d, self.o, self.ok, self.diags, self.arch, self.ledger)
         self.d, self.placed = placed.desired, placed.reasons
         wants = plan_weights.wants(self.d, self.o, self.diags)
         self.changes += plan_weights.replicate(self.d, self.ok, wants, self.diags)

@@ -64,6 +64,24 @@ def test_others_are_what_is_used_beyond_fleets_reservations_and_a_replace_gives_
     assert got == [{"index": 0, "uuid": "GPU-0", "bytes": 70 * GIB}] and g.after == 5 * GIB
 
 
+def test_a_reset_ledger_is_what_the_agents_figures_alone_make() -> None:
+    """Placement tries candidates on the plan's ledger, then resets it for the assignment."""
+    held = ObservedServer("chat@a", "running", "sha256:x", 9000, {}, gpus=((0, "GPU-0", 60 * GIB),))
+    nodes = {"a": node((15 * GIB, 80 * GIB), (50 * GIB, 80 * GIB), servers={"chat@a": held})}
+
+    def figures(ledger: Ledger) -> list[tuple[int, int, int]]:
+        return [(g.fleet, g.others, g.after) for g in ledger.gpus("a")]
+    tried = Ledger(nodes)
+    tried.release("a", "chat@a")
+    assert tried.assign("a", "code@a", 40 * GIB, 1, None).shares is not None
+    assert tried.assign("a", "big@a", 76 * GIB, 1, None).shares is None and tried.to_json()
+    tried.reset()
+    fresh = Ledger(nodes)
+    assert figures(tried) == figures(fresh) and tried.to_json() == fresh.to_json() == []
+    assert tried.assign("a", "code@a", 40 * GIB, 1, None) == fresh.assign("a", "code@a", 40 * GIB, 1, None)
+    assert tried.to_json() == fresh.to_json()
+
+
 def test_best_fit_ties_go_to_the_lower_index_and_the_same_inputs_give_the_same_gpus() -> None:
     def pick() -> list[int]:
         ledger = Ledger({"a": node((40 * GIB, 80 * GIB), (30 * GIB, 80 * GIB), (30 * GIB, 80 * GIB))})
