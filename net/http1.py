@@ -13,6 +13,7 @@ from typing import Callable
 import httptools
 
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+STATUS_LINES = {status: b"HTTP/1.1 %d %s\r\n" % (status, reason) for status, reason in REASONS.items()}
 # The stable code in the JSON error of each refusal (clients and alerts match on it, not the
 # text) where the refusal does not name a more precise one.
 CODES = {400: "bad_request", 408: "request_timeout", 413: "body_too_large", 431: "head_too_large",
@@ -70,13 +71,13 @@ def response_head(status: int, headers: list[tuple[bytes, bytes]], version: str,
     """The head for an app's status and headers: (head, chunked, keep_alive, no_body). Framing and
     persistence are this server's to decide, so the app's Transfer-Encoding and Connection go; an
     app's `connection: close` is kept (its connection ends with the answer)."""
-    lines = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))]
+    lines = [STATUS_LINES.get(status) or b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, b""))]
     has_length = chunked = False
     for name, value in headers:
-        if b"\r" in name or b"\n" in name or b"\r" in value or b"\n" in value:
-            raise ValueError(f"header {name!r} holds a line break")
         lower = name.lower()
         if lower == b"transfer-encoding" or lower == b"connection":
+            if b"\r" in value or b"\n" in value:
+                raise ValueError(f"header {name!r} holds a line break")
             keep_alive = keep_alive and not (lower == b"connection" and value.strip().lower() == b"close")
             continue
         has_length = has_length or lower == b"content-length"
@@ -94,7 +95,13 @@ def response_head(status: int, headers: list[tuple[bytes, bytes]], version: str,
     elif version == "1.0":
         lines.append(b"connection: keep-alive\r\n")
     lines.append(b"\r\n")
-    return b"".join(lines), chunked, keep_alive, no_body
+    head = b"".join(lines)
+    # Each line holds one CR and one LF, at its end: a header holding a line break is found by
+    # counting them in the whole head (one pass in C instead of four searches a header).
+    if head.count(b"\n") != len(lines) or head.count(b"\r") != len(lines):
+        name = next(n for n, v in headers if b"\r" in n or b"\n" in n or b"\r" in v or b"\n" in v)
+        raise ValueError(f"header {name!r} holds a line break")
+    return head, chunked, keep_alive, no_body
 
 
 @dataclass(slots=True)
@@ -159,6 +166,11 @@ class Parser:
         if (self.current is None or not self.current.head_done) and self.head_bytes > self.limits.max_head:
             raise Refused(431, f"the request head is over {self.limits.max_head} bytes")
 
+    def release(self) -> None:
+        """Drop the httptools parser, which refers back to this one: a cycle that only the garbage
+        collector would free otherwise, one a connection (the server calls this as it closes one)."""
+        del self.parser
+
     def feed_some(self, pending: bytearray) -> None:
         """Parse from the front of `pending` until a request is ready or `pending` is spent;
         what is left stays there, unparsed."""
@@ -184,17 +196,26 @@ class Parser:
         r = self.current
         assert r is not None
         r.head_done, self.head_bytes = True, 0
-        if len(r.target) + sum(len(k) + len(v) + 4 for k, v in r.headers) > self.limits.max_head:
+        # One pass over the headers for the head's size and the few the server reads itself.
+        size, hosts, length, expects = len(r.target), [], None, False
+        for k, v in r.headers:
+            size += len(k) + len(v) + 4
+            if k == b"host":
+                hosts.append(v)
+            elif k == b"content-length":
+                length = v if length is None else length
+            elif k == b"expect":
+                expects = expects or v.lower() == b"100-continue"
+        if size > self.limits.max_head:
             raise Refused(431, f"the request head is over {self.limits.max_head} bytes")
         r.method, r.version, r.keep_alive = self.parser.get_method(), self.parser.get_http_version(), \
             self.parser.should_keep_alive()
-        check_host(r)
+        check_host(r, hosts)
         if self.admit is not None:
             self.admit(r)
-        length = next((v for k, v in r.headers if k == b"content-length"), None)
         if length is not None and length.isdigit() and int(length) > self.limits.max_body:
             raise Refused(413, f"the request body is over {self.limits.max_body} bytes")
-        r.continued = not any(k == b"expect" and v.lower() == b"100-continue" for k, v in r.headers)
+        r.continued = not expects
 
     def on_body(self, body: bytes) -> None:
         r = self.current
@@ -210,11 +231,12 @@ class Parser:
         self.current = None
 
 
-def check_host(r: Request) -> None:
+def check_host(r: Request, hosts: list[bytes] | None = None) -> None:
     """RFC 9112 3.2: 400 for an HTTP/1.1 request without Host, for any request with more than
     one, and for a Host that is not a host[:port]. (Two Hosts is how a request is made to mean
     one thing to a proxy in front and another here.)"""
-    hosts = [v for k, v in r.headers if k == b"host"]
+    if hosts is None:
+        hosts = [v for k, v in r.headers if k == b"host"]
     if len(hosts) > 1:
         raise Refused(400, f"the request has {len(hosts)} Host headers (RFC 9112 3.2 allows one)", "invalid_host")
     if not hosts and r.version == "1.1":

@@ -10,6 +10,7 @@ loop still yields (and can be cancelled) on every turn."""
 from __future__ import annotations
 
 import errno
+import ipaddress
 import math
 import os
 import socket
@@ -128,3 +129,13 @@ def close(sock: socket.socket) -> None:
     if sock.fileno() != -1:
         trio.lowlevel.notify_closing(sock)
         sock.close()
+
+
+def bound_address(listener: socket.socket) -> tuple[str, int] | None:
+    """The address every connection accepted on `listener` has, where it is bound to one; None
+    for a wildcard (0.0.0.0, ::), where each connection has its own."""
+    address = listener.getsockname()[:2]
+    try:
+        return None if ipaddress.ip_address(address[0].split("%")[0]).is_unspecified else address
+    except ValueError:
+        return None

@@ -20,12 +20,17 @@ log = logging.getLogger("fleet")
 class ByteStream(Protocol):
     scheme: str
     sock: socket.socket  # the connection's own socket (the server's: never closed by an app)
+    handshakes: bool  # whether start() has anything to do (a TLS handshake)
 
     async def start(self, timeout: float) -> None:
         """Whatever must happen before the first request (the TLS handshake); OSError if it fails."""
 
     async def receive(self, size: int) -> bytes:
         """Up to `size` bytes; b"" once the client has closed (or broken) its side."""
+
+    def receive_now(self, size: int) -> bytes | None:
+        """What `receive` would give without waiting: None when nothing is there yet (or the
+        stream cannot tell without waiting). Not a checkpoint."""
 
     async def send(self, data: bytes, stall: float = math.inf) -> None:
         """All of `data`; OSError if the client is gone, trio.TooSlowError if it takes nothing for `stall` s."""
@@ -42,9 +47,14 @@ class ByteStream(Protocol):
 
 class PlainStream:
     scheme = "http"
+    handshakes = False
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, peer: tuple[str, int] | None = None,
+                 local: tuple[str, int] | None = None) -> None:
+        """`peer` and `local`: the addresses where the caller knows them already (accept gives the
+        peer's; a listener bound to one address, every connection's own), else asked of the socket once."""
         self.sock = sock
+        self._peer, self._local = peer, local
 
     async def start(self, timeout: float) -> None:
         pass
@@ -52,11 +62,21 @@ class PlainStream:
     async def receive(self, size: int) -> bytes:
         return await sockio.receive(self.sock, size)
 
+    def receive_now(self, size: int) -> bytes | None:
+        try:
+            return self.sock.recv(size)
+        except BlockingIOError:
+            return None
+
     async def send(self, data: bytes, stall: float = math.inf) -> None:
         await sockio.send(self.sock, data, stall)
 
     def addresses(self) -> tuple[tuple[str, int], tuple[str, int]]:
-        return tuple(self.sock.getpeername()[:2]), tuple(self.sock.getsockname()[:2])
+        if self._peer is None:
+            self._peer = tuple(self.sock.getpeername()[:2])
+        if self._local is None:
+            self._local = tuple(self.sock.getsockname()[:2])
+        return self._peer, self._local
 
     def end_send(self) -> None:
         try:
@@ -73,6 +93,7 @@ class TlsStream(PlainStream):
     broken TLS stream is a client gone), so the front handles both alike."""
 
     scheme = "https"
+    handshakes = True
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext) -> None:
         super().__init__(sock)
@@ -94,6 +115,9 @@ class TlsStream(PlainStream):
         except trio.BrokenResourceError:
             return b""
         return data if isinstance(data, bytes) else bytes(data)
+
+    def receive_now(self, size: int) -> bytes | None:
+        return None  # what the socket holds is not yet what the client sent
 
     async def send(self, data: bytes, stall: float = math.inf) -> None:
         try:
