@@ -1,6 +1,6 @@
 """bench/plan_scale: `fleet plan` and `fleet apply` against N agents (SIMULATED: `fleet-agent
 simulate` processes host N real agent apps on distinct loopback addresses, with simulated GPUs
-and weights, a launcher that starts no engine and a lean HTTP server; bench/simfleet.py). Prints
+and weights, a launcher that starts no engine, behind the agent's own server (net's); bench/simfleet.py). Prints
 plan wall time and the plan process's CPU per node, and apply time, with the targets beside them.
 
 Targets (issue 16, at 10,000 nodes): plan <= 5 s wall and <= 0.3 ms of client CPU per node; apply

@@ -1,2 +1,2 @@
 """Agents without machines, for benches and tests: many simulated agents in one process
-(`simulate`, `simhttp`) and tiny real models (`testmodel`)."""
+(`simulate`, on net's server) and tiny real models (`testmodel`)."""

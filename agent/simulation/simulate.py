@@ -3,8 +3,10 @@ many agent apps on distinct loopback addresses, each assembled from the real age
 three: simulated GPUs, a store that also claims to hold some models (listed with "simulated":
 true), and a launcher that starts no engine (pid 0, answering its health check at once, so a
 server is `running` within a moment of its start). Authentication, routing, JSON, the workers'
-checks and their supervision are the real agent's; the HTTP server in front is a lean one
-(agent/simulation/simhttp.py), and the machine is measured once for all the agents of the process."""
+checks and their supervision are the real agent's, and so is the server in front: net's server with
+the agent's connection policy (agent/api/server.py agent_server), one for all the agents of the
+process, with one cap from the process's descriptor limit. The machine is measured once for all
+the agents of the process."""
 
 from __future__ import annotations
 
@@ -21,12 +23,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 import trio
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from host.descriptors import raise_descriptor_limit
+from net import sockio
 from wire.state import Inventory, WeightsEntry
 
 from agent import __version__
-from agent.simulation import simhttp
 from agent.api.context import AgentContext
-from agent.api.server import Spawner
+from agent.api.server import Spawner, agent_server, connection_cap
 from agent.app import create_app
 from agent.backends.asgi import answer_lifespan
 from agent.transfer.fetch import Fetcher
@@ -121,7 +124,7 @@ class ClaimedStore:
 class _ByAddress:
     """One ASGI app that hands each request to the agent app of the address it arrived on."""
 
-    def __init__(self, apps: dict[str, ASGIApp]) -> None:
+    def __init__(self, apps: Mapping[str, ASGIApp]) -> None:
         self.apps = apps
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -180,13 +183,18 @@ def build(base: Path, first: str, count: int, secret: bytes, gpus: Path,
 def serve(base: Path, first: str, count: int, port: int, secret: bytes, gpus: Path,
           held: Sequence[dict[str, Any]]) -> None:
     contexts, spawner = build(base, first, count, secret, gpus, held)
-    app = _ByAddress({addr: create_app(ctx) for addr, ctx in contexts.items()})
-    listeners = [simhttp.listener(addr, port) for addr in contexts]
+    apps = {addr: create_app(ctx) for addr, ctx in contexts.items()}
+    nofile = raise_descriptor_limit()
+    listeners = [sock for addr in contexts for sock in sockio.listen(addr, port)]
+    # One cap for the process: what its descriptors allow once every agent's listener has one.
+    # The agents share the cluster secret, so any one of them says whether a request carries it.
+    server = agent_server(_ByAddress(apps), connection_cap(nofile - len(listeners)), "simulated",
+                          admits=next(iter(apps.values())).admits)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             spawner.nursery = nursery
-            await simhttp.serve(app, listeners)
+            await server.serve(listeners, trio.Event())
 
     print(json.dumps({"simulated_agents": count, "first": first, "port": port}), flush=True)
     trio.run(main)
