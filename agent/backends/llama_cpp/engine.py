@@ -17,6 +17,7 @@ own text as a draft; the ones the model agrees with are kept, the rest's cells r
 from __future__ import annotations
 
 import ctypes
+import heapq
 import os
 import secrets
 import sys
@@ -221,7 +222,9 @@ class Engine:
         self._arrivals: Arrivals[Job] = Arrivals()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []  # admitted, in order: prefilling or decoding
-        self._free = list(range(model.parallel - 1, -1, -1))
+        # The free sequences, lowest first (a heap): the running rows keep to the lowest numbers, so
+        # that a step's tokens in sequence order are one run of consecutive sequences (see _step).
+        self._free = list(range(model.parallel))
         self.steps = 0
         self.widest = 0
         self.set_aside = 0
@@ -283,7 +286,7 @@ class Engine:
             self._end(job, "stop")
         while self._waiting and self._free:
             job = self._waiting.popleft()
-            job.seq = self._free.pop()
+            job.seq = heapq.heappop(self._free)
             self._reuse(job)
             job.sampler = self._sampler(job.params)
             self._running.append(job)
@@ -348,22 +351,36 @@ class Engine:
             if not job.aside:
                 room = min(job.params.max_new - job.made - 1, self.m.context_length - job.pos - 1)
                 rows.append((job, self._draft(job, room)))
-        items: list[tuple[int, int, int, bool]] = []
+        # Each job's tokens this step: a decoding row's next token and draft, a newcomer's chunk of
+        # its prompt (PREFILL_CHUNK a step at most, in admission order).
+        parts: list[tuple[Job, list[tuple[int, int, int, bool]]]] = []
+        decoded = 0
         for job, draft in rows:
-            items += [(t, job.pos + k, job.seq, True) for k, t in enumerate([job.next_token, *draft])]
-        decoded = len(items)
-        filling: list[tuple[Job, int, int]] = []  # prefilling jobs in this step: first item's index, tokens
-        budget = min(self.m.chunk, self.m.n_batch - len(items))
+            parts.append((job, [(t, job.pos + k, job.seq, True) for k, t in enumerate([job.next_token, *draft])]))
+            decoded += 1 + len(draft)
+        budget = min(self.m.chunk, self.m.n_batch - decoded)
+        filling: list[tuple[Job, int]] = []  # prefilling jobs in this step, with their tokens
         for job in self._running:
             if job.fed >= len(job.prompt) or budget <= 0:
                 continue
             take = min(budget, len(job.prompt) - job.fed)
-            filling.append((job, len(items), take))
             last = len(job.prompt) - 1
-            items += [(job.prompt[p], p, job.seq, p == last) for p in range(job.fed, job.fed + take)]
+            parts.append((job, [(job.prompt[p], p, job.seq, p == last) for p in range(job.fed, job.fed + take)]))
+            filling.append((job, take))
             budget -= take
-        if not items:
+        if not parts:
             return False  # every row is aside (or none): wait for a reader or a request
+        # In sequence order: with cells of its own for each sequence, llama.cpp cuts a step into
+        # micro-batches of consecutive sequences, taken in the batch's order (split_equal), each a pass
+        # over the weights. In the order the rows were admitted, their sequences handed out and given
+        # back last in first out, a step at 8 streams was 3.7 passes (7 when the order ran backwards,
+        # as it did every other round of requests), against 1.2 now (bench/engines, LLAMA_BATCH_DEBUG).
+        parts.sort(key=lambda part: part[0].seq)
+        items: list[tuple[int, int, int, bool]] = []
+        first: dict[Job, int] = {}  # each job's first item in the step
+        for job, tokens in parts:
+            first[job] = len(items)
+            items += tokens
         c0 = time.process_time()
         self._decode(items)
         spent = time.process_time() - c0
@@ -375,16 +392,14 @@ class Engine:
         if prompt:
             self.prefills += 1
             self.prefill_tokens += prompt
-        index = 0
         for job, draft in rows:
-            base, index = index, index + 1 + len(draft)
-            self._advance(job, base, draft)
-        for job, first, took in filling:
+            self._advance(job, first[job], draft)
+        for job, took in filling:
             job.fed += took
             job.pos = job.fed
             if job.fed == len(job.prompt):
                 self._keep(job)
-                self._emit(job, self._pick(job, first + took - 1))
+                self._emit(job, self._pick(job, first[job] + took - 1))
         return True
 
     def _advance(self, job: Job, base: int, draft: list[int]) -> None:
@@ -437,7 +452,7 @@ class Engine:
         """The request is over: its sequence's cells removed and the sequence free for the next."""
         if job.seq >= 0:
             L.llama_memory_seq_rm(self.m.memory, job.seq, -1, -1)
-            self._free.append(job.seq)
+            heapq.heappush(self._free, job.seq)
             self.freed += 1
             job.seq = -1
         if job.sampler is not None:
