@@ -16,7 +16,11 @@ threads T and a context of 2048:
   llama_cpp_xN N such servers (N = --procs, each with T threads), streams spread round-robin:
                what several engine processes behind the router give
   llama_cpp_batch  the bindings' batched decoding (llama_batch over n sequences), in process
-               without HTTP (bench/llama_batch.py): what a llama.cpp worker of our own could reach
+               without HTTP (bench/llama_batch.py): what a llama.cpp worker of our own could reach,
+               on the same work as llama_cpp_batched's n streams (the same prompts, --requests
+               rounds of n, --tokens each); with llama_cpp_batched, run after each of its rounds
+               and put against it round by round (issue 34: at least 0.8x at n streams), in
+               tokens per wall second and per CPU second
 
 Each stream asks for a story (greedy, --tokens new tokens, counted from the usage chunk or the
 chunks) and sends its requests back to back. Three runs per engine: 1 stream (--requests in a
@@ -163,12 +167,15 @@ class Engine:
                 p.kill()
 
 
+def content(topic: str) -> str:
+    """A user's message. Each prompt its own (a serial number after the topic): only the chat
+    template's system prompt and the words before the topic are shared, as between users; an
+    engine's prefix cache would otherwise hold whole prompts asked again."""
+    return f"Write a long story about {topic}, number {next(SERIAL)}."
+
+
 def ask(client: httpx.Client, url: str, topic: str, tokens: int) -> Result:
-    # Each prompt its own (a serial number after the topic): only the chat template's system prompt
-    # and the words before the topic are shared, as between users; an engine's prefix cache would
-    # otherwise hold whole prompts asked again.
-    content = f"Write a long story about {topic}, number {next(SERIAL)}."
-    body = {"model": "m", "messages": [{"role": "user", "content": content}],
+    body = {"model": "m", "messages": [{"role": "user", "content": content(topic)}],
             "max_tokens": tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     times: list[float] = []
@@ -248,9 +255,12 @@ def matmul_peak(threads: int) -> float:
     return 2 * 512 * 576 * 1536 / best
 
 
-def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | None = None) -> tuple[float, ...]:
+def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | None = None,
+            beside: Callable[[tuple[float, ...]], None] | None = None) -> tuple[float, ...]:
     """Rounds of (1 stream, n at once, n staggered streams), one after the other, so that a change
     in the machine's load hits all three alike; ratios are taken within a round, then the median.
+    `beside`, if given, runs after each round with the round's figures (a figure to be put against
+    them, measured under the same load).
     The staggered run is measured over the window in which all n streams are running (ramp-up
     and ramp-down left out). Tokens per CPU-second of the engine's processes is printed too: on a
     shared machine it moves far less with the neighbours' load than tokens per wall second."""
@@ -312,6 +322,8 @@ def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | 
         rows.append((tps1, ttft1, tpsb / tps1, worst / ttft1, *work, *rates, tpss / tps1,
                      max(statistics.median(r.ttft for r in s[1:] or s) for s in steady) / ttft1,
                      max(r.ttft for s in steady for r in s[1:] or s) / ttft1, cps1, cpsb / cps1, cpss / cps1, cut))
+        if beside is not None:
+            beside(rows[-1])
     for label, row in [*((f"  round {i + 1}", r) for i, r in enumerate(rows)),
                        (name, tuple(statistics.median(c) for c in zip(*rows)))]:
         (tps1, ttft1, rb, tb, worst, floor, forwards, computed, known, cpu1, cpun, need, rate, rate1, rs, ts, tw, cps1,
@@ -354,14 +366,14 @@ def main() -> None:
     threads = f"{args.threads}" if args.threads else f"the engines' default (torch: {DEFAULT_THREADS})"
     print(f"SmolLM2-135M-Instruct, {args.tokens} tokens per request, {args.requests} requests per stream, "
           f"{threads} thread(s) per engine process", flush=True)
-    figures: dict[str, tuple[float, ...]] = {}
     for name in args.engines.split(","):
         shape: Shape | None = None
         if name == "llama_cpp_batch":
-            from bench.llama_batch import llama_batched
+            if "llama_cpp_batched" not in args.engines.split(","):
+                from bench.llama_batch import llama_batched
 
-            figures[name] = llama_batched(args, TOPICS)
-            continue
+                llama_batched(args, TOPICS, content)
+            continue  # else measured round by round beside llama_cpp_batched
         if name in ("torch", "torch_nocache"):
             model = smollm2_safetensors(ROOT / ".pytest_cache" / "d" / "fleet-models", "float32")  # the tests' copy
             extra = ("--prefix-cache", "0") if name == "torch_nocache" else ()
@@ -379,16 +391,46 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown engine {name}")
         try:
-            figures[name] = measure(name, engine, args, shape)
+            if name == "llama_cpp_batched" and "llama_cpp_batch" in args.engines.split(","):
+                measure_beside(engine, args)
+            else:
+                measure(name, engine, args, shape)
         finally:
             engine.stop()
-    if "llama_cpp_batched" in figures and "llama_cpp_batch" in figures:
-        tps1, _, rb, *_ = figures["llama_cpp_batched"]
-        rs = figures["llama_cpp_batched"][14]
-        inproc = figures["llama_cpp_batch"][1]
-        print(f"llama_cpp_batched against the bindings' in-process batched decoding at {args.streams} sequences "
-              f"({inproc:5.1f} tok/s): {args.streams} at once {rb * tps1:5.1f} tok/s ({rb * tps1 / inproc:4.2f}x), "
-              f"{args.streams} streams {rs * tps1:5.1f} tok/s ({rs * tps1 / inproc:4.2f}x)", flush=True)
+
+
+def measure_beside(engine: Engine, args: argparse.Namespace) -> None:
+    """llama_cpp_batched's rounds with the bindings' in-process batched decoding at n sequences
+    (bench/llama_batch: the same prompts, --requests rounds of n, --tokens each) run after each
+    round, in this process while the worker idles: each round's ratio (issue 34: the worker's n
+    streams at least 0.8x) is taken between figures measured a minute apart under the same load,
+    then the median. Tokens per wall second, and per CPU second (the worker's process, its HTTP
+    side included, against the in-process loop's thread), which the neighbours' load moves less."""
+    from bench.llama_batch import Figures, InProcess, line
+
+    arm = InProcess(args, TOPICS, content)
+    arm.run(1)  # warm-up
+    one = arm.run(1)
+    n, runs, ratios = args.streams, [], []
+
+    def beside(row: tuple[float, ...]) -> None:
+        many = arm.run(n)
+        tps1, rb, rs, cps1, cs = (row[i] for i in (0, 2, 14, 17, 19))
+        runs.append(many)
+        ratios.append((rb * tps1 / many.tps, rs * tps1 / many.tps, cs * cps1 / many.cps, rs * tps1, cs * cps1, many.tps,
+                       many.cps, many.load))
+    try:
+        measure("llama_cpp_batched", engine, args, beside=beside)
+    finally:
+        arm.close()
+    print(line(n, one, Figures(*(statistics.median(getattr(r, f) for r in runs)
+                                 for f in ("tps", "ttft", "cps", "prompt", "load")))), flush=True)
+    for label, r in [*((f"  round {i + 1}", r) for i, r in enumerate(ratios)),
+                     ("llama_cpp_batched", tuple(statistics.median(c) for c in zip(*ratios)))]:
+        at_once, streams, cpu, tps, cps, inproc, inproc_cps, load = r
+        print(f"{label:<16} against the in-process batched decoding at {n} sequences: {n} streams {tps:5.1f} tok/s "
+              f"against {inproc:5.1f} ({streams:4.2f}x; {n} at once {at_once:4.2f}x) | per CPU-s {cps:5.1f} tok "
+              f"against {inproc_cps:5.1f} ({cpu:4.2f}x) | in-process arm at load {load:3.1f}", flush=True)
 
 
 if __name__ == "__main__":
