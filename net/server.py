@@ -90,6 +90,7 @@ class Server:
         self.reserve = reserve if privileged is not None else 0
         self.on_drop = on_drop or (lambda reason: None)
         self.live = 0  # connections counted against the cap
+        self.unstarted = 0  # of those, accepted and not yet run (_accept)
         # Connections waiting for a request (idle, or a request still arriving), the one waiting
         # longest first: the first to go when a new connection needs a place; never trusted, then trusted.
         self.waiting: dict[Connection, trio.CancelScope] = {}
@@ -160,12 +161,18 @@ class Server:
             peer = peer[:2]
             privileged = self.privileged is not None and self.privileged(peer[0])
             limit = self.cap if privileged else self.cap - self.reserve
+            # Connections of this row whose tasks have not run yet have not read their requests
+            # (so are in no table): with no stranger waiting to give its place, let them run
+            # before a trusted idle connection is evicted or this one refused for want of room.
+            while self.live >= limit and not self.waiting and self.unstarted:
+                await trio.lowlevel.cancel_shielded_checkpoint()
             while self.live >= limit and self.evict():
                 pass
             if self.live >= limit:
                 self.refuse_busy(sock, connections)
                 continue
             self.live += 1
+            self.unstarted += 1
             connections.start_soon(self.connection, sock, privileged, peer, local)
 
     def evict(self) -> bool:
@@ -218,6 +225,7 @@ class Server:
 
     async def connection(self, sock: socket.socket, privileged: bool = False, peer: tuple[str, int] | None = None,
                          local: tuple[str, int] | None = None) -> None:
+        self.unstarted -= 1
         conn = Connection(self, self.tls.wrap(sock) if self.tls is not None else PlainStream(sock, peer, local))
         conn.trusted = privileged
         try:

@@ -100,3 +100,42 @@ def test_on_a_wildcard_listener_each_connection_has_its_own_address() -> None:
     assert read_all(client).endswith(b"/w")
     assert SEEN[0]["server"] == ("127.0.0.2", port) and SEEN[0]["client"] == client.getsockname()[:2]
     client.close()
+
+
+def test_a_burst_of_strangers_past_the_cap_gives_places_to_each_other_not_a_trusted_idle_connection() -> None:
+    """Cap 8, three connections kept alive after proving their client, then 20 strangers' requests
+    arriving together (accepted in one row): before any of the row's tasks runs, none of them is
+    waiting, so the sixth to eighth took the trusted connections' places and the ninth on were
+    refused 503 (fails before). As before the row, the strangers give their places to each other:
+    every one is answered 200 and the trusted connections keep theirs."""
+    server = Server(app, cap=8, trusts=lambda scope: (b"x-secret", b"s") in scope["headers"])
+    [listening] = server.listen("127.0.0.1", 0)
+    port = listening.getsockname()[1]
+    trusted = []
+    for _ in range(3):
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(b"GET /t HTTP/1.1\r\nHost: x\r\nx-secret: s\r\n\r\n")
+        trusted.append(client)
+    strangers: list[socket.socket] = []
+    held: dict[str, int] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve, [listening], trio.Event())
+            await trio.sleep(0.2)
+            assert len(server.known) == 3
+            for _ in range(20):  # no checkpoint: all 20 are in the backlog when the server next runs
+                client = socket.create_connection(("127.0.0.1", port))
+                client.sendall(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n")
+                strangers.append(client)
+            await trio.sleep(0.3)
+            held.update(known=len(server.known), refused=server.refused, evicted=server.evicted)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    answers = [read_all(c) for c in strangers]
+    assert held == {"known": 3, "refused": 0, "evicted": 15}, held
+    assert all(a.startswith(b"HTTP/1.1 200 OK") and a.endswith(b"/s") for a in answers), answers
+    for c in trusted + strangers:
+        c.close()
+
