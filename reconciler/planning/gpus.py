@@ -103,7 +103,8 @@ def manifest_arch(manifest: Mapping[str, Any]) -> Arch | None:
 def estimate(fmt: str, weights: int, arch: Arch | None, settings: ServerSettings, gpus: int,
              layers: int | None = None) -> VramEstimate:
     """What a server of `weights` bytes needs over `gpus` GPUs; `layers`: a pipeline stage's share
-    of the model's layers (its KV cache holds only those)."""
+    of the model's layers (its KV cache holds only those). Of `settings`, only context_length and
+    parallel are read (Estimates keys on them)."""
     tokens = int(settings.get("context_length") or DEFAULT_CONTEXT)
     seqs = int(settings.get("parallel") or SEQUENCES.get(fmt, 1))
     told = "" if settings.get("context_length") else " (the workers' default)"
@@ -119,6 +120,24 @@ def estimate(fmt: str, weights: int, arch: Arch | None, settings: ServerSettings
     overhead = ENGINE_OVERHEAD * gpus
     return VramEstimate(weights_bytes=weights, kv_cache_bytes=kv, overhead_bytes=overhead,
                         total_bytes=weights + kv + overhead, basis=basis)
+
+
+class Estimates:
+    """estimate() for one plan, each (model, settings it reads, GPU count, layers) worked out once:
+    placement sizes every candidate of a cluster and the assignment each start it places, the
+    same sum with the same words. The estimates are shared between the changes that ask the same:
+    not to be written to."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[Any, ...], VramEstimate] = {}
+
+    def __call__(self, fmt: str, weights: int, arch: Arch | None, settings: ServerSettings, gpus: int,
+                 layers: int | None = None) -> VramEstimate:
+        key = (fmt, weights, arch, settings.get("context_length"), settings.get("parallel"), gpus, layers)
+        got = self._known.get(key)
+        if got is None:
+            got = self._known[key] = estimate(fmt, weights, arch, settings, gpus, layers)
+        return got
 
 
 def gib(n: int) -> str:
@@ -138,19 +157,29 @@ class Gpu:
                  "after")
 
     def __init__(self, index: int, uuid: str, name: str, total: int, free: int, held: dict[str, int]) -> None:
-        self.index, self.uuid, self.name, self.total, self.free = index, uuid, name, total, free
+        # One statement an attribute, held summed once and no max(): built 80,000 times a plan.
+        self.index = index
+        self.uuid = uuid
+        self.name = name
+        self.total = total
+        self.free = free
         self.held = held  # server id -> bytes its agent reserved for it here (servers starting or running)
-        self.others = max(0, total - free - sum(held.values()))  # used by processes that are not fleet's
-        self.reset()
+        fleet = sum(held.values()) if held else 0
+        used = total - free - fleet
+        self.others = used if used > 0 else 0  # used by processes that are not fleet's
+        self._as_observed(fleet)
 
     def reset(self) -> None:
         """As the agent's figures alone make it: nothing given back, nothing reserved by this plan."""
+        self._as_observed(sum(self.held.values()))
+
+    def _as_observed(self, fleet: int) -> None:
         # Servers this plan replaces or stops, and server id -> bytes this plan reserves: shared empty
         # ones until the first (80,000 GPUs, most of which this plan never touches).
         self.released: AbstractSet[str] = _NOTHING
         self.planned: dict[str, int] = _NO_PLAN
-        self.fleet = sum(self.held.values())  # fleet's reservations here that stay
-        self.after = self.total - self.others - self.fleet  # free once this plan's reservations are made (may go negative)
+        self.fleet = fleet  # fleet's reservations here that stay
+        self.after = self.total - self.others - fleet  # free once this plan's reservations are made (may go negative)
 
     def release(self, sid: str) -> None:
         """`sid`'s reservation here given back, if it holds one."""
@@ -261,18 +290,22 @@ class Ledger:
                 self.touched[node] = True
                 return Assigned(None, f"it asks for {n} GPUs together, but {node!r} reports {len(gpus)}",
                                 "insufficient_gpus")
-            fits = [g for g in gpus if g.after >= share]
-            if n == 1 and fits:  # the common case: the one best fit, without sorting them all
-                fits = [min(fits, key=lambda g: (g.after, g.index))]
+            if n == 1:  # the common case: the one best fit, in one pass, without sorting them all
+                best: Gpu | None = None
+                for g in gpus:
+                    if g.after >= share and (best is None or g.after < best.after
+                                             or (g.after == best.after and g.index < best.index)):
+                        best = g
+                fits = [best] if best is not None else []
             else:
-                fits.sort(key=lambda g: (g.after, g.index))
+                fits = sorted((g for g in gpus if g.after >= share), key=lambda g: (g.after, g.index))
             if len(fits) < n:
                 self.touched[node] = True
                 what = "no GPU" if n == 1 else f"only {len(fits)} of the {n} GPUs it needs"
                 return Assigned(None, f"{what} of {node!r} {'has' if n == 1 else 'have'} {gib(share)}"
                                 f"{' each' if n > 1 else ''} free after this plan: "
                                 + "; ".join(g.picture(node) for g in gpus))
-            chosen = sorted(fits[:n], key=lambda g: g.index)
+            chosen = fits if n == 1 else sorted(fits[:n], key=lambda g: g.index)
         for g in chosen:
             g.reserve(sid, share)
         self._written += chosen
@@ -283,7 +316,7 @@ class Ledger:
         """The GPUs this plan reserves on or gives back, and every GPU of a node where it refused
         one: a plan of 10,000 starts on nodes of 8 GPUs carries 10,000 rows, not 80,000."""
         return [g.to_json(node) for node, every in self.touched.items() for g in self.gpus(node)
-                if every or g.planned or any(s in g.held for s in g.released)]
+                if every or g.planned or (g.released and any(s in g.held for s in g.released))]
 
     def best_after(self, node: str) -> int:
         """The most any one GPU of `node` has free after this plan (0 without GPUs)."""

@@ -27,7 +27,7 @@ from wire.windows import Window, status
 from reconciler.core.desired import Desired, ReplicaSpec
 from reconciler.core.diagnostics import Diagnostic, error
 from reconciler.core.observed import Observed, ObservedNode
-from reconciler.planning.gpus import ACTIVE, Archs, Ledger, estimate, gib
+from reconciler.planning.gpus import ACTIVE, Archs, Estimates, Ledger, gib
 from reconciler.planning.weights import model_bytes
 
 
@@ -40,13 +40,15 @@ class Placed:
 
 
 def place(d: Desired, o: Observed, ok: dict[str, ObservedNode], diags: list[Diagnostic],
-          archs: Archs | None = None, ledger: Ledger | None = None) -> Placed:
-    """`ledger`: the plan's, over `ok` and untouched, on which candidates are tried (then undone)."""
+          archs: Archs | None = None, ledger: Ledger | None = None, estimates: Estimates | None = None) -> Placed:
+    """`ledger`: the plan's, over `ok` and untouched, on which candidates are tried (then undone);
+    `estimates`: the plan's, which the assignment then asks the same."""
     placed = [c for c in d.clusters.values() if c.placement is not None]
     if not placed:
         return Placed(d, {})
     ledger = ledger if ledger is not None else Ledger(ok)
     arch_of = archs or Archs(o)
+    estimate = estimates or Estimates()
     order = {n: i for i, n in enumerate(d.nodes)}
     ports: dict[str, set[int]] = {}  # node -> ports taken there by listed members
     load: dict[str, int] = {n: sum(1 for s in obs.servers.values() if s.state in ACTIVE) for n, obs in ok.items()}

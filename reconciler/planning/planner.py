@@ -22,7 +22,7 @@ from reconciler.core.observed import Observed, ObservedNode
 from reconciler.planning.pipeline import StageInput, group_of, plan_group
 from reconciler.planning.order import guard, order, select
 from reconciler.planning.plan import Action, Change, Plan
-from reconciler.planning.gpus import Arch, Archs, Ledger, estimate, gib
+from reconciler.planning.gpus import Arch, Archs, Estimates, Ledger, gib
 from reconciler.planning.placement import place
 from reconciler.planning.weights import Want, model_bytes
 
@@ -78,6 +78,7 @@ class _Planner:
         self.ok: dict[str, ObservedNode] = {}
         self.ledger = Ledger(self.ok)
         self.arch = Archs(observed)  # each model's architecture, looked up once a plan
+        self.estimate = Estimates()  # each start's VRAM, worked out once a plan (placement asks first)
         self.asks: list[_Ask] = []
         self.placed: dict[tuple[str, str], str] = {}  # (cluster, node) -> why a placed member is there
 
@@ -220,13 +221,15 @@ class _Planner:
                 if previous:
                     deps.append(previous)
                 current = obs.servers.get(sid)
+                placed_as = self.placed.get((c.name, node))
+                lead = f"{placed_as}; " if placed_as is not None else ""  # why a placed member is where it is
                 change: Change | None = None
                 if current is None:
-                    change = Change(Action.START, address, node, f"{node} runs no server of cluster {c.name}",
+                    change = Change(Action.START, address, node, f"{lead}{node} runs no server of cluster {c.name}",
                                     tuple(deps), details)
                 elif current.state in ("failed", "stopped", "stopping"):
                     why = (current.reason or "").splitlines()[0] if current.reason else "no reason reported"
-                    change = Change(Action.START, address, node, f"its server {current.state}: {why}",
+                    change = Change(Action.START, address, node, f"{lead}its server {current.state}: {why}",
                                     tuple(deps), details, drift=True)
                 else:
                     diffs = settings_diff(current.settings, settings)
@@ -243,7 +246,7 @@ class _Planner:
                         before = RunningServer(model=current.model, port=current.port, settings=current.settings)
                         why = ("changed: " + "; ".join(diffs) if diffs else
                                f"it serves weights found corrupt ({corrupt}); start it again on the copy fetched again")
-                        change = Change(Action.REPLACE, address, node, why, tuple(deps),
+                        change = Change(Action.REPLACE, address, node, lead + why, tuple(deps),
                                         ReplaceDetails(**details, before=before))
                 held = obs.weights.get(model.digest)
                 if change is not None and held is not None and held.key_missing:
@@ -254,10 +257,6 @@ class _Planner:
                         address=address))
                     continue
                 if change is not None:
-                    placed_as = self.placed.get((c.name, node))
-                    if placed_as is not None:
-                        change = Change(change.action, change.address, change.node, f"{placed_as}; {change.reason}",
-                                        change.depends_on, change.details, change.drift)
                     if obs.gpus:
                         self.asks.append(_Ask(len(self.changes), node, sid, model.format, model_bytes(model, self.o),
                                               self.arch(model.digest), settings, pinned))
@@ -326,7 +325,7 @@ class _Planner:
         for ask in sorted(self.asks, key=lambda a: self.changes[a.at].action is not Action.REPLACE):
             ch = self.changes[ask.at]
             n = len(ask.pinned) if ask.pinned else int(ask.settings.get("tensor_parallel") or 1)
-            vram = estimate(ask.fmt, ask.weights, ask.arch, ask.settings, n, ask.layers)
+            vram = self.estimate(ask.fmt, ask.weights, ask.arch, ask.settings, n, ask.layers)
             got = self.ledger.assign(ask.node, ask.sid, vram["total_bytes"], n, ask.pinned)
             if got.shares is None:
                 name = ch.details["model"]
@@ -413,7 +412,7 @@ class _Planner:
 
     def run(self) -> None:
         self.check_nodes()
-        placed = place(self.d, self.o, self.ok, self.diags, self.arch, self.ledger)
+        placed = place(self.d, self.o, self.ok, self.diags, self.arch, self.ledger, self.estimate)
         self.d, self.placed = placed.desired, placed.reasons
         wants = plan_weights.wants(self.d, self.o, self.diags)
         self.changes += plan_weights.replicate(self.d, self.ok, wants, self.diags)

@@ -13,8 +13,9 @@ from reconciler.cache.observed import OFF_ENV
 from reconciler.cli import main as cli
 from reconciler.core.observed import ObservedNode, ObservedServer
 from reconciler.fleetfile import config
-from reconciler.planning.gpus import ENGINE_OVERHEAD, Arch, Ledger, estimate, manifest_arch
+from reconciler.planning.gpus import ENGINE_OVERHEAD, Arch, Estimates, Ledger, estimate, manifest_arch
 from tests.golden import CASES, run_case, snapshot
+from wire.plan_details import ServerSettings
 
 GIB = 1 << 30
 
@@ -32,6 +33,22 @@ def test_the_kv_cache_is_sized_from_the_architecture_and_the_settings() -> None:
     assert one["kv_cache_bytes"] == 32 * 2 * 1024 * 2 * 2048 * 16 and "default" in one["basis"]
     stage = estimate("safetensors", 5 * GIB, arch, {}, 1, layers=8)  # a stage caches only its layers
     assert stage["kv_cache_bytes"] == 8 * 2 * 1024 * 2 * 2048 * 16
+
+
+def test_a_plans_estimates_are_estimate_worked_out_once_for_what_it_reads() -> None:
+    # Placement and the assignment ask the same sums: one answer for the format, weights, architecture,
+    # context length, sequences, GPU count and layers; settings estimate() does not read do not count.
+    arch = Arch(32, 8 * 128, 2, "as reported")
+    estimates = Estimates()
+    asks: list[tuple[str, int, Arch | None, ServerSettings, int, int | None]] = [
+        ("safetensors", 15 * GIB, arch, {}, 1, None), ("safetensors", 15 * GIB, arch, {"context_length": 8192}, 1, None),
+        ("safetensors", 15 * GIB, arch, {"parallel": 4}, 2, None), ("gguf", 15 * GIB, None, {}, 1, None),
+        ("safetensors", 5 * GIB, arch, {}, 1, 8)]
+    for fmt, weights, a, settings, gpus, layers in asks:
+        got = estimates(fmt, weights, a, settings, gpus, layers)
+        assert got == estimate(fmt, weights, a, settings, gpus, layers)
+        assert estimates(fmt, weights, a, ServerSettings(**settings, threads=8), gpus, layers) is got
+    assert estimates("safetensors", 15 * GIB, arch, {}, 2) != estimates("safetensors", 15 * GIB, arch, {}, 1)
 
 
 def test_without_an_architecture_the_estimate_says_what_it_assumed() -> None:
