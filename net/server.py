@@ -308,6 +308,11 @@ class Connection:
                     self.parser.feed_some(self.pending)
                 if self.parser.ready:
                     return self.parser.ready.popleft()
+        elif self.parser.ready or self.pending:
+            # Read already, behind the last request: served without this checkpoint, every request
+            # of a 64 KiB read of small pipelined ones would be answered in one step, and a few
+            # such strangers would hold the thread (and the control plane's requests) for seconds.
+            await trio.lowlevel.checkpoint()
         return await self.wait_request()
 
     async def wait_request(self) -> Request | None:

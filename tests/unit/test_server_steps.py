@@ -139,3 +139,26 @@ def test_a_burst_of_strangers_past_the_cap_gives_places_to_each_other_not_a_trus
     for c in trusted + strangers:
         c.close()
 
+
+def test_pipelined_requests_are_answered_a_step_each() -> None:
+    """200 small requests pipelined in one write are read at once: each is answered in a step of
+    its own (a checkpoint between them), so that a stranger pipelining without end cannot hold
+    the thread for a whole read's worth of answers (a step for all of them, before)."""
+    SEEN.clear()
+    server = Server(app, cap=16)
+    [listening] = server.listen("127.0.0.1", 0)
+    port = listening.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    client.sendall(b"GET /p HTTP/1.1\r\nHost: x\r\n\r\n" * 199 + b"GET /p HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    steps = Steps()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve, [listening], trio.Event())
+            await trio.sleep(0.3)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, instruments=[steps])
+    assert read_all(client).count(b"HTTP/1.1 200 OK") == 200
+    assert steps.steps["connection"] >= 200, steps.steps
+    client.close()
