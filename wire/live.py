@@ -58,10 +58,11 @@ def fits(state: Mapping[str, Any], live: Live) -> bool:
 
 def brought_up(state: Mapping[str, Any], live: Live) -> dict[str, Any]:
     """A copy of `state` with `live`'s values (`state` is left as it was; the parts not touched
-    are shared). The caller has checked fits()."""
+    are shared, a GPU's row too where its free memory has not moved). The caller has checked fits()."""
     inv = state["inventory"]
     return {**state, "observed_at": live.observed_at,
             "servers": [{**s, "uptime_s": u} for s, u in zip(state["servers"], live.uptimes)],
             "inventory": {**inv, "memory": {**inv["memory"], "available_bytes": live.memory_available},
                           "disk": {**inv["disk"], "free_bytes": live.disk_free},
-                          "gpus": [{**g, "memory_free_bytes": f} for g, f in zip(inv["gpus"], live.gpus_free)]}}
+                          "gpus": [g if g["memory_free_bytes"] == f else {**g, "memory_free_bytes": f}
+                                   for g, f in zip(inv["gpus"], live.gpus_free)]}}

@@ -267,6 +267,17 @@ def test_any_change_but_the_moving_values_is_another_generation(path: tuple[Any,
         assert generation(changed(RICH, path)) != generation(RICH)  # type: ignore[arg-type]
 
 
+def test_a_state_brought_up_leaves_the_held_one_as_it_was_and_shares_what_did_not_move() -> None:
+    held = json.loads(json.dumps(RICH))
+    moved = changed(RICH, ("inventory", "gpus", 0, "memory_free_bytes"), 100 << 20)
+    values = live.decode(live.encode(moved))
+    assert values is not None and live.brought_up(held, values) == moved and held == RICH
+    same = live.decode(live.encode(RICH))
+    assert same is not None
+    up = live.brought_up(held, same)
+    assert up == RICH and up["inventory"]["gpus"][0] is held["inventory"]["gpus"][0]  # not copied: nothing moved
+
+
 def test_a_server_or_a_model_more_or_less_is_another_generation() -> None:
     from agent.api.context import generation
 
