@@ -4,6 +4,7 @@ tiny models imported on cp, and a fleet file the test rewrites as it goes."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from contextlib import contextmanager
@@ -58,12 +59,14 @@ class Files(Protocol):
     state_dir: Path
 
 
-def start_serve(f: Files, listen: str, interval: float = 1, timeout: float = 60) -> subprocess.Popen[str]:
-    """`fleet serve` on the fleet's file, its output in serve.log beside it, returned once it is up
-    and one heartbeat was seen (the router then knows which servers run); the caller stops it."""
-    log = open(f.base / "serve.log", "w")
-    proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(f.file), "--interval", str(interval)],
-                            env=agent_env(FLEET_STATE_DIR=str(f.state_dir)), stdout=log,
+def start_serve(f: Files, listen: str, interval: float = 1, timeout: float = 60, *, args: tuple[str, ...] = (),
+                env: dict[str, str] | None = None, log: str = "serve.log") -> subprocess.Popen[str]:
+    """`fleet serve` on the fleet's file (with `args` after its own), its output in `log` beside it,
+    returned once it is up and one heartbeat was seen (the router then knows which servers run);
+    the caller stops it (stop_serve)."""
+    out = open(f.base / log, "w")
+    proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(f.file), "--interval", str(interval), *args],
+                            env=agent_env(FLEET_STATE_DIR=str(f.state_dir), **(env or {})), stdout=out,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout
     while True:
@@ -75,8 +78,15 @@ def start_serve(f: Files, listen: str, interval: float = 1, timeout: float = 60)
         if time.monotonic() >= deadline or proc.poll() is not None:
             proc.kill()
             proc.wait()
-            raise AssertionError((f.base / "serve.log").read_text())
+            raise AssertionError((f.base / log).read_text())
         time.sleep(0.1)
+
+
+def stop_serve(proc: subprocess.Popen[str] | None) -> None:
+    """Stop a `fleet serve` as an operator would (SIGTERM), and reap it."""
+    if proc is not None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
 
 
 def import_model(agent: Agent, path: Path) -> str:

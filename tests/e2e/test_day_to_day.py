@@ -5,8 +5,6 @@ two-member cluster replaced one member at a time under client load, with no fail
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import threading
 import time
 from typing import Any, Iterator
@@ -14,13 +12,12 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.agents import SECRET, agent_env, free_port
-from tests.conftest import fleet_bin
-from tests.fleets import Fleet, chat, three_node_fleet
+from tests.agents import SECRET, free_port
+from tests.fleets import Fleet, chat, start_serve, stop_serve, three_node_fleet
 
 pytestmark = pytest.mark.e2e
 
-INTERVAL = "1"  # seconds between beats: the drift test counts beats, not seconds
+INTERVAL = 1.0  # seconds between beats: the drift test counts beats, not seconds
 
 
 @pytest.fixture(scope="module")
@@ -30,24 +27,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, st
         f.write(replicas="  tiny: [a, b]", listen=listen, clusters=chat(f, "[a, b]", context=256))
         applied = f.run("apply", "--auto-approve")
         assert applied.returncode == 0, applied.stdout + applied.stderr
-        log = open(f.base / "serve.log", "w")
-        proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(f.file), "--interval", INTERVAL],
-                                env=agent_env(FLEET_STATE_DIR=str(f.state_dir)), stdout=log, stderr=subprocess.STDOUT,
-                                text=True)
+        proc = start_serve(f, listen, interval=INTERVAL)
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"http://{listen}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline and proc.poll() is None, (f.base / "serve.log").read_text()
-                time.sleep(0.05)
             yield f, f"http://{listen}"
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+            stop_serve(proc)
 
 
 def beats(base: str) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,8 @@ import httpx
 import openai
 import pytest
 
-from tests.agents import agent_env, free_port
-from tests.conftest import fleet_bin
-from tests.fleets import Fleet, import_model, three_node_fleet
+from tests.agents import free_port
+from tests.fleets import Fleet, import_model, start_serve, stop_serve, three_node_fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -84,17 +82,13 @@ def served(smol_fleet: Fleet, request: pytest.FixtureRequest) -> Iterator[Served
     applied = f.run("apply", "--auto-approve", timeout=900)
     assert applied.returncode == 0, applied.stdout + applied.stderr
     # `fleet serve` reads fleet.yaml once: one per layout.
-    log = open(f.base / f"serve-{len(layout)}.log", "w")
-    proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(f.file), "--interval", "0.5", "--misses", "2"],
-                            env=agent_env(FLEET_STATE_DIR=str(f.state_dir)), stdout=log, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = start_serve(f, listen, interval=0.5, args=("--misses", "2"), log=f"serve-{len(layout)}.log")
     try:
         base = f"http://{listen}/v1"
         wait_answering(base, "big")
         yield Served(f, base, layout, planned.stdout, rendezvous, port)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        stop_serve(proc)
 
 
 def wait_answering(base: str, cluster: str, timeout: float = 120) -> None:

@@ -14,9 +14,8 @@ import httpx
 import openai
 import pytest
 
-from tests.agents import agent_env, free_port
-from tests.conftest import fleet_bin
-from tests.fleets import Fleet, chat, three_node_fleet
+from tests.agents import free_port
+from tests.fleets import Fleet, chat, start_serve, stop_serve, three_node_fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -29,21 +28,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, st
                 clusters=chat(f, "[a, b]") + f"\n  local: {{model: tiny-q, members: [cp], port: {free_port('127.0.0.2')}}}")
         applied = f.run("apply", "--auto-approve")
         assert applied.returncode == 0, applied.stdout + applied.stderr
-        log = open(f.base / "serve.log", "w")
-        proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(f.file), "--interval", "0.5", "--misses", "2"],
-                                env=agent_env(FLEET_STATE_DIR=str(f.state_dir)), stdout=log, stderr=subprocess.STDOUT,
-                                text=True)
+        proc = start_serve(f, listen, interval=0.5, args=("--misses", "2"))
         try:
-            for _ in range(200):
-                try:
-                    if httpx.get(f"http://{listen}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.05)
             yield f, f"http://{listen}/v1", proc
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+            stop_serve(proc)
 
 
 def deltas(chunks: list[Any]) -> tuple[str, list[str]]:

@@ -13,16 +13,15 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from tests.agents import agent_env, free_port
-from tests.conftest import ROOT, fleet_bin
-from tests.fleets import Fleet, import_model, three_node_fleet
+from tests.agents import free_port
+from tests.conftest import ROOT
+from tests.fleets import Fleet, import_model, start_serve, stop_serve, three_node_fleet
 from tests.models import smollm2_gguf, tiny_safetensors
 
 pytestmark = pytest.mark.e2e
@@ -86,21 +85,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                                                      "api_keys_env: FLEET_UI_KEYS"))
         applied = f.run("apply", "--auto-approve")  # the bad server fails: the apply says so
         assert "bad@b" in applied.stdout + applied.stderr, applied.stdout + applied.stderr
-        log = open(f.base / "serve.log", "w")
-        proc = subprocess.Popen([fleet_bin(), "serve", "-f", str(f.file), "--interval", "0.5", "--misses", "2"],
-                                env=agent_env(FLEET_STATE_DIR=str(f.state_dir), FLEET_UI_KEYS=KEY), stdout=log,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = start_serve(f, listen, interval=0.5, args=("--misses", "2"), env={"FLEET_UI_KEYS": KEY})
         try:
-            for _ in range(400):
-                try:
-                    if httpx.get(f"http://{listen}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.05)
             yield Served(f, f"http://{listen}", proc)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+            stop_serve(proc)
 
 
 @pytest.fixture(scope="module")
