@@ -57,6 +57,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                 "move or mark: " + ", ".join(wrong))
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker per core this process may run on, at most four. The end-to-end tests
+    start agents and engines of their own, so more workers than cores only queue behind them."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 @pytest.fixture
 def root() -> Path:
     return ROOT

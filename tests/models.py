@@ -4,6 +4,7 @@ kept between runs."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -89,17 +90,21 @@ def smollm2_gguf() -> Path:
 
 def smollm2_safetensors(base: Path, dtype: str = "float32") -> Path:
     """Its safetensors twin through the product's own conversion (fleet-agent convert), made once
-    under `base`; concurrent sessions converting at once both end up with the same directory."""
+    under `base`, by whichever process comes first."""
     from agent.weights.convert import ConvertError, convert
 
     gguf = smollm2_gguf()
     out = base / f"smollm2-135m-instruct-{gguf.stat().st_size}-{dtype}"
-    if not (out / "config.json").exists():
-        try:
-            convert(gguf, out, dtype)
-        except ConvertError as exc:
-            if exc.code != "output_exists":
-                raise
+    # One conversion for all: pytest-xdist's workers (and concurrent sessions) wait on the lock
+    # rather than each spending a minute of CPU converting the same model.
+    with open(base / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            try:
+                convert(gguf, out, dtype)
+            except ConvertError as exc:
+                if exc.code != "output_exists":
+                    raise
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists(), f"incomplete model in {out}"
     return out
 
