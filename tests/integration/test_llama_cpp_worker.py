@@ -6,7 +6,7 @@ answers the same alone and together, per-request seed and stop, the usage chunk,
 batched worker is asked what one lock around one context cannot give: a slow reader that stalls
 no one, and a client that leaves freeing its sequence (the engine's counters, GET /health). The
 SmolLM2 class checks the batched worker's greedy answers against llama-cpp-python's own
-single-sequence path, token for token but at a near tie (NEAR_TIE)."""
+single-sequence path, token for token."""
 
 from __future__ import annotations
 
@@ -237,15 +237,6 @@ def client_that_leaves(tiny: Worker) -> None:
     assert completion(tiny, PROMPTS[2], 20, temperature=0)[2] == 20
 
 
-# Greedy answers of requests prefilled together are the single path's but at a near tie: with cells
-# of its own for each sequence, llama.cpp cuts a step into micro-batches of an equal number of tokens
-# per sequence, so prompts of different lengths prefilled in one step are cut where a prompt alone
-# is not, and a 1-token micro-batch rounds otherwise than a 38-token one. With llama-cpp-python
-# 0.3.36, "What is 2 + 2?" prefilled beside four other prompts parts at its third token, where the
-# single path's two best choices are 0.117 nats apart (' to' against ' is'); alone, or prefilled in
-# a step of its own, it is the single path's, token for token.
-NEAR_TIE = 0.2  # nats between the single path's two best choices
-
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Name three primary colors and say why they are called primary. Then explain how a painter mixes "
              "them into green, orange and purple, step by step.", "What is 2 + 2?",
@@ -272,29 +263,12 @@ class TestSmolLM2:
             return r.choices[0].message.content or "", r.usage.completion_tokens
         arriving_together = together([lambda q=q: ask(q) for q in QUESTIONS])
         assert smol.stats()["widest_step"] >= 2, "nothing ran batched"
-        # llama-cpp-python's own path: one sequence, greedy, no repetition penalty (OpenAI has none),
-        # each token's two best choices kept (logits_all) to tell a near tie from a wrong token.
-        single = Llama(str(smollm2_gguf()), n_ctx=CONTEXT, n_threads=1, verbose=False, logits_all=True)
-        differ = []
+        # llama-cpp-python's own path: one sequence, greedy, no repetition penalty (OpenAI has none).
+        single = Llama(str(smollm2_gguf()), n_ctx=CONTEXT, n_threads=1, verbose=False)
         for q, got in zip(QUESTIONS, arriving_together):
             r: Any = single.create_chat_completion(messages=[{"role": "user", "content": q}], temperature=0,
-                                                   max_tokens=40, repeat_penalty=1.0, logprobs=True,
-                                                   top_logprobs=2)
-            if got == (r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"]):
-                continue
-            differ.append(q)
-            # Where the answers part, the worker took the single path's second choice at a near tie.
-            said = ""
-            for step in r["choices"][0]["logprobs"]["content"]:
-                if not got[0].startswith(said + step["token"]):
-                    first, second = step["top_logprobs"][:2]
-                    assert got[0].startswith(said + second["token"]), (q, got[0], said, step)
-                    assert first["logprob"] - second["logprob"] < NEAR_TIE, (q, got[0], said, step)
-                    break
-                said += step["token"]
-            else:
-                raise AssertionError(f"{q!r}: {got} against the single path's {r['choices'][0]['message']}")
-        assert len(differ) <= 1, f"more than one answer parts from the single path's: {differ}"
+                                                   max_tokens=40, repeat_penalty=1.0)
+            assert got == (r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"]), q
 
     def test_prompt_lookup_keeps_the_greedy_answer(self, smol: Worker) -> None:
         text = ("The fleet reconciles the desired state of every machine with what it observes, then plans the "

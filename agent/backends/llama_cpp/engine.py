@@ -1,9 +1,9 @@
 """The batched llama.cpp engine: one GGUF model, one context of `parallel` sequences, and one thread
 running every request of the worker through one decode loop on llama-cpp-python's low-level API.
 
-Each step is one `llama_decode`: the running rows' next tokens and, after them, as many prompt
-tokens of the newcomers as the step's prefill budget takes (a long prompt goes in chunks over
-several steps, so the rows already running keep their pace). A request gets a sequence of its
+Each step is one `llama_decode` of the running rows' next tokens and then one for each newcomer's
+chunk of its prompt, as many prompt tokens as the step's prefill budget takes (a long prompt goes
+in chunks over several steps, so the rows already running keep their pace). A request gets a sequence of its
 own (its KV cells) when it is admitted and gives it back, cells freed, when it ends, is
 cancelled or its client leaves. A row whose reader has fallen behind is left out of the steps
 (its cells kept) until the reader catches up, as the PyTorch engine does
@@ -351,55 +351,57 @@ class Engine:
             if not job.aside:
                 room = min(job.params.max_new - job.made - 1, self.m.context_length - job.pos - 1)
                 rows.append((job, self._draft(job, room)))
-        # Each job's tokens this step: a decoding row's next token and draft, a newcomer's chunk of
-        # its prompt (PREFILL_CHUNK a step at most, in admission order).
-        parts: list[tuple[Job, list[tuple[int, int, int, bool]]]] = []
-        decoded = 0
-        for job, draft in rows:
-            parts.append((job, [(t, job.pos + k, job.seq, True) for k, t in enumerate([job.next_token, *draft])]))
-            decoded += 1 + len(draft)
-        budget = min(self.m.chunk, self.m.n_batch - decoded)
+        # Each newcomer's chunk of its prompt this step (PREFILL_CHUNK a step in all, in admission order).
+        budget = self.m.chunk
         filling: list[tuple[Job, int]] = []  # prefilling jobs in this step, with their tokens
         for job in self._running:
             if job.fed >= len(job.prompt) or budget <= 0:
                 continue
             take = min(budget, len(job.prompt) - job.fed)
-            last = len(job.prompt) - 1
-            parts.append((job, [(job.prompt[p], p, job.seq, p == last) for p in range(job.fed, job.fed + take)]))
             filling.append((job, take))
             budget -= take
-        if not parts:
+        if not rows and not filling:
             return False  # every row is aside (or none): wait for a reader or a request
-        # In sequence order: with cells of its own for each sequence, llama.cpp cuts a step into
-        # micro-batches of consecutive sequences, taken in the batch's order (split_equal), each a pass
-        # over the weights. In the order the rows were admitted, their sequences handed out and given
-        # back last in first out, a step at 8 streams was 3.7 passes (7 when the order ran backwards,
-        # as it did every other round of requests), against 1.2 now (bench/engines, LLAMA_BATCH_DEBUG).
-        parts.sort(key=lambda part: part[0].seq)
-        items: list[tuple[int, int, int, bool]] = []
-        first: dict[Job, int] = {}  # each job's first item in the step
-        for job, tokens in parts:
-            first[job] = len(items)
-            items += tokens
+        # The decoding rows in one llama_decode, in sequence order: with cells of its own for each
+        # sequence, llama.cpp cuts a batch into micro-batches of consecutive sequences, taken in the
+        # batch's order (split_equal), each a pass over the weights. In the order the rows were
+        # admitted, their sequences handed out and given back last in first out, a step at 8 streams
+        # was 3.7 passes (7 when the order ran backwards, as it did every other round of requests),
+        # against 1 now (bench/engines, LLAMA_BATCH_DEBUG).
         c0 = time.process_time()
-        self._decode(items)
-        spent = time.process_time() - c0
-        prompt = len(items) - decoded
-        self.prefill_cpu_s += spent * prompt / len(items)
-        self.decode_cpu_s += spent * decoded / len(items)
-        self.steps += 1
-        self.widest = max(self.widest, len(rows))
-        if prompt:
-            self.prefills += 1
-            self.prefill_tokens += prompt
-        for job, draft in rows:
-            self._advance(job, first[job], draft)
-        for job, took in filling:
-            job.fed += took
+        if rows:
+            rows.sort(key=lambda row: row[0].seq)
+            items: list[tuple[int, int, int, bool]] = []
+            first: dict[Job, int] = {}  # each row's first item in the batch
+            for job, draft in rows:
+                first[job] = len(items)
+                items += [(t, job.pos + k, job.seq, True) for k, t in enumerate([job.next_token, *draft])]
+            self._decode(items)
+            for job, draft in rows:
+                self._advance(job, first[job], draft)
+        c1 = time.process_time()
+        # Each prompt chunk in a llama_decode of its own, after the rows: the split_equal above would
+        # cut prompts of different lengths in one batch at the shortest (and the rows' one token
+        # each), where a prompt alone goes whole, and a micro-batch of another size rounds otherwise:
+        # greedy answers then part from the single-sequence path's at a near tie (tests/integration/
+        # test_llama_cpp_worker.py). Alone, a prompt of up to PREFILL_CHUNK tokens is computed as
+        # llama-cpp-python's Llama computes it, for about the passes the split took.
+        for job, take in filling:
+            last = len(job.prompt) - 1
+            self._decode([(job.prompt[p], p, job.seq, p == last) for p in range(job.fed, job.fed + take)])
+            job.fed += take
             job.pos = job.fed
             if job.fed == len(job.prompt):
                 self._keep(job)
-                self._emit(job, self._pick(job, first[job] + took - 1))
+                self._emit(job, self._pick(job, take - 1))
+        c2 = time.process_time()
+        self.decode_cpu_s += c1 - c0
+        self.prefill_cpu_s += c2 - c1
+        self.steps += 1
+        self.widest = max(self.widest, len(rows))
+        if filling:
+            self.prefills += 1
+            self.prefill_tokens += sum(take for _, take in filling)
         return True
 
     def _advance(self, job: Job, base: int, draft: list[int]) -> None:
