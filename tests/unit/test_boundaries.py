@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,12 +113,14 @@ def importable(package: str) -> list[str]:
 
 
 def loaded_by(modules: list[str]) -> set[str]:
-    """sys.modules after importing `modules` in a fresh interpreter."""
+    """sys.modules after importing `modules` in a fresh interpreter (not measured by coverage.py, whose
+    own data file would load sqlite3 there: pyproject.toml's [tool.coverage.run] patches subprocesses)."""
     code = ("import importlib, json, sys\n"
             "for m in json.loads(sys.argv[1]): importlib.import_module(m)\n"
             "print(json.dumps(sorted(sys.modules)))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COVERAGE_")}
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(modules)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+                          cwd=ROOT, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     return set(json.loads(proc.stdout))
 
