@@ -218,7 +218,10 @@ def test_a_client_that_leaves_frees_its_sequence(tmp_path: Path) -> None:
 
 def client_that_leaves(tiny: Worker) -> None:
     before = tiny.stats()
-    with slow_stream(tiny, {"prompt": "The fleet", "max_tokens": 1500, "stream": True}) as sock:
+    # Greedy: the tiny random model's sampled answers end with its end token after a few hundred
+    # tokens as often as not (353, 684, 1,218 in three tries), and then the sequence was freed by the
+    # end, not by the client leaving; its greedy answer runs the whole 1,500.
+    with slow_stream(tiny, {"prompt": "The fleet", "max_tokens": 1500, "stream": True, "temperature": 0}) as sock:
         assert sock.recv(512)
         assert tiny.stats()["free_sequences"] == before["parallel"] - 1  # its sequence, held while it reads
         deadline = time.monotonic() + 60  # the sockets' buffers fill, then its row is set aside
