@@ -48,6 +48,20 @@ def read_all(sock: socket.socket) -> bytes:
     return data
 
 
+def serve_for(server: Server, listening: socket.socket, seconds: float) -> Steps:
+    """Serve on `listening` for `seconds`, counting each task's steps."""
+    steps = Steps()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve, [listening], trio.Event())
+            await trio.sleep(seconds)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, instruments=[steps])
+    return steps
+
+
 def test_waiting_connections_and_their_requests_are_served_without_waiting() -> None:
     SEEN.clear()
     server = Server(app, cap=16)
@@ -58,15 +72,7 @@ def test_waiting_connections_and_their_requests_are_served_without_waiting() -> 
         client = socket.create_connection(("127.0.0.1", port))
         client.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
         clients.append(client)
-    steps = Steps()
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.serve, [listening], trio.Event())
-            await trio.sleep(0.2)
-            nursery.cancel_scope.cancel()
-
-    trio.run(main, instruments=[steps])
+    steps = serve_for(server, listening, 0.2)
     answers = [read_all(c) for c in clients]
     assert answers[0] == b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n/a"
     assert answers[1] == b'HTTP/1.1 304 Not Modified\r\netag: "g"\r\nconnection: close\r\n\r\n'
@@ -150,15 +156,7 @@ def test_pipelined_requests_are_answered_a_step_each() -> None:
     port = listening.getsockname()[1]
     client = socket.create_connection(("127.0.0.1", port))
     client.sendall(b"GET /p HTTP/1.1\r\nHost: x\r\n\r\n" * 199 + b"GET /p HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    steps = Steps()
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.serve, [listening], trio.Event())
-            await trio.sleep(0.3)
-            nursery.cancel_scope.cancel()
-
-    trio.run(main, instruments=[steps])
+    steps = serve_for(server, listening, 0.3)
     assert read_all(client).count(b"HTTP/1.1 200 OK") == 200
     assert steps.steps["connection"] >= 200, steps.steps
     client.close()
