@@ -13,7 +13,7 @@ real agent API, no engine) that the stand-in is cluster chat's running member af
 `fleet apply`.
 
 Client, relays and worker share this machine's cores, so the load generator competes with the
-relay for CPU: the default client is a lean raw-socket reader (fleet's own upstream reader);
+relay for CPU: the default client is a lean raw-socket reader (fleet's own, net/client.py);
 `--client httpx` uses httpx's line iterator, which costs about 85 us per event here, so that
 client and worker alone fill two cores and every microsecond the relay spends shows as lost
 throughput. Each run opens new client connections, so the first request of every run (1% of them
@@ -103,15 +103,15 @@ async def measure(url: str, concurrency: int, requests: int, client: str) -> tup
 
 
 async def measure_lean(url: str, concurrency: int, requests: int) -> tuple[list[float], float, int]:
-    # The lean client is fleet's own upstream reader (raw socket, chunked decoding, keep-alive):
+    # The lean client is fleet's own (net/client.py: raw socket, llhttp framing, keep-alive):
     # it costs the shared cores a fraction of httpx's per-line reader, so that what is measured
     # is the relay rather than the load generator competing with it for CPU.
-    from reconciler.serve import upstream
+    from net import client
 
     host, _, rest = url.removeprefix("http://").partition(":")
     port, path = int(rest.split("/", 1)[0]), "/" + rest.split("/", 1)[1]
     body = json.dumps({"model": "chat", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    pool = upstream.Pool(per_host=concurrency)
+    pool = client.Pool(per_host=concurrency)
     ttfb: list[float] = []
     events = 0
     limiter = trio.CapacityLimiter(concurrency)
@@ -120,7 +120,8 @@ async def measure_lean(url: str, concurrency: int, requests: int) -> tuple[list[
         nonlocal events
         async with limiter:
             start = time.perf_counter()
-            response = await upstream.post(host, port, path, body, pool)
+            response = await client.request("POST", host, port, path, body=body, pool=pool,
+                                            headers=[("Content-Type", "application/json")])
             carry, first = b"", True
             async for piece in response.chunks():
                 if first:

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-import httpx
 import trio
 
+from net import client
+
 HEALTH_TIMEOUT_S = 2.0
+HEALTH_ANSWER_LIMIT = 1 << 20  # a health answer is a few bytes; a larger one is no answer
 
 # (digest, what it is for people: "model", "draft model") -> the path an engine loads. Raises the
 # agent's refusal when the model is not held whole; a spec lets that propagate.
@@ -158,9 +160,6 @@ class PopenProcess:
 class ProcessLauncher:
     """The production launcher: real processes that die with the agent, health asked over HTTP."""
 
-    def __init__(self) -> None:
-        self._client: httpx.AsyncClient | None = None
-
     def missing(self, modules: Sequence[str]) -> list[str]:
         return [m for m in modules if importlib.util.find_spec(m) is None]
 
@@ -187,14 +186,12 @@ class ProcessLauncher:
         return PopenProcess(proc)
 
     async def answers(self, url: str, credential: str) -> bool:
-        if self._client is None:
-            # One client for every probe: making one costs ~90 ms of CPU (it loads the CA bundle),
-            # and a probe runs every 0.25 s while a server starts. No pooled connections, so the
-            # client holds nothing tied to one event loop or one worker's lifetime.
-            self._client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S,
-                                             limits=httpx.Limits(max_keepalive_connections=0))
+        # A connection of its own each time (net/client.py's one-shot GET): nothing is held that is
+        # tied to one event loop or one worker's lifetime.
         try:
-            headers = {"Authorization": f"Bearer {credential}"}
-            return (await self._client.get(url, headers=headers)).status_code == 200
-        except httpx.TransportError:
+            with trio.fail_after(HEALTH_TIMEOUT_S):
+                answer = await client.get(url, headers=[("Authorization", f"Bearer {credential}")],
+                                          limit=HEALTH_ANSWER_LIMIT)
+        except (client.ClientError, trio.TooSlowError):
             return False
+        return answer.status == 200

@@ -318,7 +318,6 @@ def cmd_serve(args: argparse.Namespace, path: str) -> int:
     desired = loaded.desired
     assert desired is not None
     logging.basicConfig(level=logging.INFO, format="fleet serve: %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request is noise
     secret = _secret()
     store = open_store(args.state_dir, getattr(args, "state", None), desired.control_plane.state)
     try:

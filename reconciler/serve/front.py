@@ -24,7 +24,7 @@ __all__ = ["Front", "Limits", "connection_cap"]
 # Descriptors kept out of the clients' reach. fleet serve's own: stdio, epoll, trio's wake-up
 # pair, the signal pipe, the state database and its journal, the log, the listeners (~32, 64
 # kept); the heartbeat's agent calls, one plain connection each, observe's concurrency (64); the
-# router's pooled idle connections to workers and httpx's keep-alive pool (100); busy refusals
+# router's pooled idle connections to workers (net/client.py's Pool; 100 kept); busy refusals
 # still lingering (LINGER_MAX, 32).
 RESERVED_FDS = 64 + 64 + 100 + LINGER_MAX
 

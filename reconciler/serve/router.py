@@ -7,10 +7,9 @@ import hmac
 import json
 import logging
 import math
-from typing import Awaitable, Callable, Collection
+from typing import Awaitable, Callable, Collection, Sequence
 from urllib.parse import unquote
 
-import httpx
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -23,7 +22,7 @@ from wire.ids import server_id
 from reconciler.core.desired import ClusterSpec, Desired
 from reconciler.serve.heartbeat import View
 from reconciler.serve.metrics import ServeMetrics
-from reconciler.serve import upstream
+from net import client
 from net.http1 import Refused
 from net.http1 import Request as Head
 from reconciler.serve.scrub import Scrubber, scrub_reason
@@ -36,6 +35,22 @@ OPEN = frozenset({"/healthz"})  # the paths answered without an API key; every o
 RENEW_TIMEOUT_S = 5.0  # asking an agent for a restarted worker's credential, between beats
 RENEW_EVERY_S = 2.0  # a node is asked again at most this often, however many requests are refused
 Refresh = Callable[[Collection[str]], Awaitable[None]]  # ask these nodes now (Heartbeat.refresh)
+
+
+# A non-streamed answer larger than this is refused (the member counts as not answering), not held:
+# a whole completion is a few KiB to a few MiB of JSON.
+WHOLE_ANSWER_LIMIT = 64 << 20
+
+
+def worker_headers(credential: str, stream: bool = False) -> list[tuple[str, str]]:
+    """What a request to a worker carries beside its body: the credential the worker asks of every
+    request (agent/auth.py WorkerAuth; none from an agent too old to make one)."""
+    headers = [("Content-Type", "application/json")]
+    if stream:
+        headers.append(("Accept", "text/event-stream"))
+    if credential:
+        headers.append(("Authorization", f"Bearer {credential}"))
+    return headers
 
 
 def refused_credential(status: int, www_authenticate: str) -> bool:
@@ -54,7 +69,7 @@ class RelayStream(Response):
     streams was tried: it halved the relay's CPU on one fast stream but lengthened every stream
     by up to a window, epoll rounds sleeps up to whole milliseconds, and throughput fell.)"""
 
-    def __init__(self, router: "Router", response: upstream.UpstreamResponse, scrub: Scrubber, node: str,
+    def __init__(self, router: "Router", response: client.Response, scrub: Scrubber, node: str,
                  sid: str = "") -> None:
         self.router, self.upstream, self.scrub, self.node = router, response, scrub, node
         self.sid = sid  # the member's server id: its requests in flight are counted by it
@@ -106,9 +121,9 @@ class RelayStream(Response):
                         sent.inc(len(out))
                         prev, last = last, out
             if silence.cancelled_caught:
-                raise upstream.UpstreamError(f"it sent nothing for {timeout:g}s", started=True)
+                raise client.ClientError(f"it sent nothing for {timeout:g}s", started=True)
             tail = scrub.flush()
-        except upstream.UpstreamError as exc:
+        except client.ClientError as exc:
             log.warning("the member on %s failed mid-stream: %s", self.node, exc)
             event = {"error": {"message": f"the member on {self.node} failed mid-stream: {exc}",
                                "type": "fleet_error", "code": "member_failed_mid_stream", "node": self.node}}
@@ -127,7 +142,7 @@ class Router:
     ui: ASGIApp | None = None  # the status page (serve/ui/app.py), answering /ui and /ui/... when set
 
     def __init__(self, desired: Desired, view: View, *, api_keys: list[str] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None, timeout: float = 300.0,
+                 transport: client.Fetch | None = None, timeout: float = 300.0,
                  metrics: ServeMetrics | None = None, refresh: Refresh | None = None) -> None:
         self.d = desired
         self.timeout = timeout  # a worker silent this long (before or during its answer) is given up on
@@ -140,9 +155,10 @@ class Router:
         self.refresh = refresh
         self._renewing: dict[str, trio.Event] = {}
         self._renewed_at: dict[str, float] = {}  # node → when it was last asked (trio's clock)
-        self.pool = upstream.Pool()
-        self.http = httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(timeout, connect=5.0),
-                                      limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+        self.pool = client.Pool()  # idle connections to workers, for streamed and whole answers alike
+        # How a whole answer is asked for: net/client.py's fetch on the pool, unless a test stands
+        # a worker in (`transport`).
+        self.fetch: client.Fetch = transport or self._fetch
 
     # ---- choosing a member ----
 
@@ -221,36 +237,41 @@ class Router:
         last = self._renewed_at.get(node)
         return last is None or trio.current_time() - last >= RENEW_EVERY_S
 
-    async def open_stream(self, node: str, sid: str, port: int, path: str, raw: bytes) -> upstream.UpstreamResponse:
-        """upstream.post with the member's credential, asked once more with a renewed one if the
-        worker refuses it (UpstreamError, not started, if there is none)."""
+    async def open_stream(self, node: str, sid: str, port: int, path: str, raw: bytes) -> client.Response:
+        """A streaming POST to the member's worker with its credential, asked once more with a
+        renewed one if the worker refuses it (ClientError, not started, if there is none)."""
         host, credential = self.d.nodes[node].address, self.credential(node, sid)
-        response = await upstream.post(host, port, path, raw, self.pool, credential)
+        response = await self._stream(host, port, path, raw, credential)
         if not refused_credential(response.status, response.headers.get("www-authenticate", "")):
             return response
         response.close()
         fresh = await self.renewed(node, sid, credential)
         if fresh is None:
-            raise upstream.UpstreamError(f"{host}:{port} refused the credential its agent reported for {sid}",
-                                         started=False)
-        return await upstream.post(host, port, path, raw, self.pool, fresh)
+            raise client.ClientError(f"{host}:{port} refused the credential its agent reported for {sid}",
+                                     started=False)
+        return await self._stream(host, port, path, raw, fresh)
 
-    async def post_whole(self, node: str, sid: str, port: int, path: str, raw: bytes) -> httpx.Response:
-        """As open_stream, for an answer read whole (httpx.TransportError when it cannot be had)."""
-        credential = self.credential(node, sid)
+    async def _stream(self, host: str, port: int, path: str, raw: bytes, credential: str) -> client.Response:
+        return await client.request("POST", host, port, path, body=raw, headers=worker_headers(credential, True),
+                                     pool=self.pool, peer="the worker")
+
+    async def _fetch(self, method: str, host: str, port: int, target: str, *, body: bytes = b"",
+                     headers: Sequence[tuple[str, str]] = ()) -> client.Whole:
+        return await client.fetch(method, host, port, target, body=body, headers=headers, pool=self.pool,
+                                  peer="the worker", limit=WHOLE_ANSWER_LIMIT)
+
+    async def post_whole(self, node: str, sid: str, port: int, path: str, raw: bytes) -> client.Whole:
+        """As open_stream, for an answer read whole (ClientError when it cannot be had)."""
+        host, credential = self.d.nodes[node].address, self.credential(node, sid)
         for attempt in range(2):
-            headers = {"content-type": "application/json"}
-            if credential:
-                headers["authorization"] = f"Bearer {credential}"
-            response = await self.http.post(f"http://{self.d.nodes[node].address}:{port}{path}", content=raw,
-                                            headers=headers)
-            if not refused_credential(response.status_code, response.headers.get("www-authenticate", "")):
+            response = await self.fetch("POST", host, port, path, body=raw, headers=worker_headers(credential))
+            if not refused_credential(response.status, response.headers.get("www-authenticate", "")):
                 return response
             fresh = await self.renewed(node, sid, credential) if attempt == 0 else None
             if fresh is None:
                 break
             credential = fresh
-        raise httpx.TransportError(f"the worker refused the credential its agent reported for {sid}")
+        raise client.ClientError(f"{host}:{port} refused the credential its agent reported for {sid}", started=False)
 
     def scrubber(self, c: ClusterSpec, node: str) -> Scrubber:
         """Scrubs the paths of `node`, and of every stage of a pipeline: the first stage relays what
@@ -312,7 +333,7 @@ class Router:
                         upstream_response = await self.open_stream(node, sid, cluster.port, path, raw)
                 except trio.TooSlowError:
                     failure = f"no answer within {self.timeout:g}s"
-                except upstream.UpstreamError as exc:
+                except client.ClientError as exc:
                     failure = str(exc)
                 else:
                     return RelayStream(self, upstream_response, self.scrubber(cluster, node), node, sid)
@@ -322,19 +343,22 @@ class Router:
                 log.warning("cluster %s: the member on %s did not answer: %s", cluster.name, node, failure)
                 continue
             try:
-                response = await self.post_whole(node, sid, cluster.port, path, raw)
-            except httpx.TransportError as exc:
-                failures.append(f"{node}: {type(exc).__name__}: {exc}")
-                log.warning("cluster %s: the member on %s did not answer: %s: %s", cluster.name, node,
-                            type(exc).__name__, exc)
-                continue
+                with trio.fail_after(self.timeout):
+                    response = await self.post_whole(node, sid, cluster.port, path, raw)
+            except trio.TooSlowError:
+                failure = f"no answer within {self.timeout:g}s"
+            except client.ClientError as exc:
+                failure = str(exc)
+            else:
+                scrub = self.scrubber(cluster, node)
+                content = scrub.feed(response.content) + scrub.flush()
+                self.metrics.relay_bytes.inc(len(content))
+                return Response(content, status_code=response.status,
+                                media_type=response.headers.get("content-type", "application/json"))
             finally:
                 self.outstanding[sid] -= 1
-            scrub = self.scrubber(cluster, node)
-            content = scrub.feed(response.content) + scrub.flush()
-            self.metrics.relay_bytes.inc(len(content))
-            return Response(content, status_code=response.status_code,
-                            media_type=response.headers.get("content-type", "application/json"))
+            failures.append(f"{node}: {failure}")
+            log.warning("cluster %s: the member on %s did not answer: %s", cluster.name, node, failure)
         message = f"no member of {cluster.name!r} answered: " + "; ".join(failures)
         log.warning("%s", message)
         return api_error(502, "no_member_answered", message)

@@ -1,10 +1,11 @@
-"""The router in-process (httpx ASGI transport both ways): member choice, 503 reasons, API keys,
-metrics. The upstream is a tiny ASGI app standing in for a worker."""
+"""The router in-process (httpx's ASGI transport in front, an ASGI stand-in for the worker behind
+through the router's fetch seam): member choice, 503 reasons, API keys, metrics. The upstream is a
+tiny ASGI app standing in for a worker."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from net.client import ClientError, Fetch, Whole
 from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec
 from reconciler.core.observed import node_from_state
 from reconciler.serve.heartbeat import View
@@ -41,11 +43,23 @@ def view(states: dict[str, str | None]) -> View:
     return v
 
 
-def upstream() -> httpx.ASGITransport:
+def asgi_fetch(app: Any) -> Fetch:
+    """A worker stood in by an ASGI app, in the shape of net/client.py's one-shot fetch (the router's seam)."""
+    transport = httpx.ASGITransport(app=app)
+
+    async def fetch(method: str, host: str, port: int, target: str, *, body: bytes = b"",
+                    headers: Sequence[tuple[str, str]] = ()) -> Whole:
+        request = httpx.Request(method, f"http://{host}:{port}{target}", content=body, headers=list(headers))
+        response = await transport.handle_async_request(request)
+        return Whole(response.status_code, dict(response.headers), await response.aread())
+    return fetch
+
+
+def upstream() -> Fetch:
     async def completions(request: Request) -> JSONResponse:
         node = "a" if request.url.hostname == "10.0.0.2" else "b"
         return JSONResponse({"model": HOME[node] + "/store/models/abc", "served_by": node})
-    return httpx.ASGITransport(app=Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])]))
+    return asgi_fetch(Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])]))
 
 
 def call(router: Router, path: str = "/v1/completions", body: Any = None, headers: dict[str, str] | None = None,
@@ -98,27 +112,27 @@ def test_metrics_count_requests_and_node_health() -> None:
 def test_a_member_that_does_not_answer_is_skipped_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     inner = upstream()
 
-    class DeadA(httpx.AsyncBaseTransport):
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            if request.url.host == "10.0.0.2":
-                raise httpx.ConnectError("connection refused")
-            return await inner.handle_async_request(request)
+    async def dead_a(method: str, host: str, port: int, target: str, *, body: bytes = b"",
+                     headers: Sequence[tuple[str, str]] = ()) -> Whole:
+        if host == "10.0.0.2":
+            raise ClientError(f"cannot connect to {host}:{port}: Connection refused", started=False)
+        return await inner(method, host, port, target, body=body, headers=headers)
 
-    router = Router(desired(), view({"a": "running", "b": "running"}), transport=DeadA())
+    router = Router(desired(), view({"a": "running", "b": "running"}), transport=dead_a)
     r = call(router, body={"model": "chat", "prompt": "x"})
     assert r.status_code == 200 and r.json()["served_by"] == "b"
-    assert "cluster chat: the member on a did not answer: ConnectError: connection refused" in caplog.text
+    assert "cluster chat: the member on a did not answer: cannot connect to 10.0.0.2:9001: Connection refused" in caplog.text
 
 
 def test_no_member_answering_is_502_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    class Dead(httpx.AsyncBaseTransport):
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            raise httpx.ConnectError("connection refused")
+    async def dead(method: str, host: str, port: int, target: str, *, body: bytes = b"",
+                   headers: Sequence[tuple[str, str]] = ()) -> Whole:
+        raise ClientError(f"cannot connect to {host}:{port}: Connection refused", started=False)
 
-    router = Router(desired(), view({"a": "running", "b": "running"}), transport=Dead())
+    router = Router(desired(), view({"a": "running", "b": "running"}), transport=dead)
     r = call(router, body={"model": "chat", "prompt": "x"})
     assert r.status_code == 502 and r.json()["error"]["code"] == "no_member_answered"
-    assert "no member of 'chat' answered: a: ConnectError" in caplog.text
+    assert "no member of 'chat' answered: a: cannot connect to 10.0.0.2:9001" in caplog.text
 
 
 def test_a_body_nested_too_deep_is_a_400_not_a_traceback() -> None:

@@ -16,11 +16,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from net.client import Fetch
 from reconciler.core.desired import ClusterSpec, ControlPlaneSpec, Desired, ModelSpec, NodeSpec, PipelineSpec
 from reconciler.core.observed import Observed, node_from_state
 from reconciler.serve.heartbeat import Heartbeat, View
 from reconciler.serve.router import Router
 from reconciler.state.store import StateStore
+from tests.unit.test_router import asgi_fetch
 from reconciler.cli.tables import cmd_nodes
 
 DIGEST = "sha256:" + "1" * 64
@@ -58,11 +60,11 @@ def view(states: dict[str, str], reason: str | None = None) -> View:
     return v
 
 
-def upstream(seen: list[str]) -> httpx.ASGITransport:
+def upstream(seen: list[str]) -> Fetch:
     async def completions(request: Request) -> JSONResponse:
         seen.append(request.url.hostname or "")
         return JSONResponse({"served_by": request.url.hostname})
-    return httpx.ASGITransport(app=Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])]))
+    return asgi_fetch(Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])]))
 
 
 def call(router: Router, body: Any) -> httpx.Response:

@@ -1,17 +1,18 @@
-"""The router's body reader (httptools' response parser), fed every split of a real chunked body over a real socket
+"""net/client.py's body reader (httptools' response parser), fed every split of a real chunked body over a real socket
 pair: each piece is sent only once the reader has taken the one before, so it arrives on its own."""
 
 from __future__ import annotations
 
 import functools
 import socket
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
 from net import sockio
-from reconciler.serve.upstream import UpstreamError, UpstreamResponse
+from net.client import ClientError, Connection, Pool, Response, fetch, get, request
 
 EVENTS = [b"data: {\"a\": 1}\n\n", b"data: {\"b\": 22}\n\n", b"x" * 300, b"data: [DONE]\n\n"]
 CHUNKED = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) for e in EVENTS) + b"0\r\n\r\n"
@@ -25,8 +26,8 @@ def received(pieces: list[bytes], headers: dict[str, str], rest: bytes = b"") ->
         sockio.prepare(ours)
         head = b"HTTP/1.1 200 OK\r\n" + b"".join(b"%s: %s\r\n" % (k.encode(), v.encode())
                                                   for k, v in headers.items()) + b"\r\n"
-        response = UpstreamResponse(ours, 200, headers, head + rest)
-        error: UpstreamError | None = None
+        response = Response(Connection(ours), 200, headers, head + rest)
+        error: ClientError | None = None
         try:
             async with trio.open_nursery() as nursery:
                 async def worker() -> None:
@@ -38,7 +39,7 @@ def received(pieces: list[bytes], headers: dict[str, str], rest: bytes = b"") ->
                 nursery.start_soon(worker)
                 try:
                     out = b"".join([c async for c in response.chunks()])
-                except UpstreamError as exc:
+                except ClientError as exc:
                     error = exc
                     nursery.cancel_scope.cancel()
             if error is not None:
@@ -80,7 +81,7 @@ def test_a_body_without_length_ends_with_the_connection() -> None:
     ([b"abc"], {"content-length": "10"}, "7 bytes before the end"),
 ], ids=["truncated-chunked", "malformed-size", "short-content-length", "data-cut", "no-data"])
 def test_truncated_and_malformed_bodies_are_errors(arrives: list[bytes], headers: dict[str, str], error: str) -> None:
-    with pytest.raises(UpstreamError, match=error):
+    with pytest.raises(ClientError, match=error):
         body(arrives, headers)
 
 
@@ -112,7 +113,7 @@ def test_a_chunk_size_llhttp_refuses_is_refused(size: bytes) -> None:
     extensions of tokens or quoted strings, nothing else."""
     chunked = size + b"\r\nhello\r\n0\r\n\r\n"
     assert not llhttp_takes(chunked)
-    with pytest.raises(UpstreamError, match="malformed chunked framing"):
+    with pytest.raises(ClientError, match="malformed chunked framing"):
         body([chunked], {"transfer-encoding": "chunked"})
 
 
@@ -126,7 +127,7 @@ def test_a_chunk_size_llhttp_takes_is_taken(size: bytes) -> None:
 def test_data_without_crlf_and_a_bare_lf_are_refused() -> None:
     for chunked in (b"5\r\nhelloXY0\r\n\r\n", b"5\nhello\r\n0\r\n\r\n"):
         assert not llhttp_takes(chunked)
-        with pytest.raises(UpstreamError, match="malformed chunked framing"):
+        with pytest.raises(ClientError, match="malformed chunked framing"):
             body([chunked], {"transfer-encoding": "chunked"})
 
 
@@ -145,8 +146,6 @@ def test_a_clean_chunked_end_leaves_the_connection_reusable(data: bytes, reusabl
 
 
 def test_a_stale_pooled_connection_is_retried_on_a_fresh_one() -> None:
-    from reconciler.serve.upstream import Pool, post
-
     async def main() -> None:
         async def handler(stream: trio.SocketStream) -> None:
             async with stream:
@@ -160,20 +159,18 @@ def test_a_stale_pooled_connection_is_retried_on_a_fresh_one() -> None:
             stale = await sockio.connect("127.0.0.1", port)
             await sockio.send(stale, b"x")
             await trio.sleep(0.05)  # closed by the worker: a dead keep-alive connection
-            pool.give(("127.0.0.1", port), stale)
-            r = await post("127.0.0.1", port, "/v1/completions", b"{}", pool)
+            pool.give(Connection(stale, ("127.0.0.1", port)))
+            r = await request("POST", "127.0.0.1", port, "/v1/completions", body=b"{}", pool=pool)
             assert r.status == 200 and b"".join([c async for c in r.chunks()]) == b"ok"
             assert r.reusable
             r.close()
-            assert pool.take(("127.0.0.1", port)) is r.sock  # kept for the next request
+            assert pool.take(("127.0.0.1", port)) is r.conn  # kept for the next request
             nursery.cancel_scope.cancel()
 
     trio.run(main)
 
 
 def test_a_malformed_content_length_is_an_error_before_anything_is_relayed() -> None:
-    from reconciler.serve.upstream import post
-
     async def main() -> None:
         async def handler(stream: trio.SocketStream) -> None:
             async with stream:
@@ -181,9 +178,80 @@ def test_a_malformed_content_length_is_an_error_before_anything_is_relayed() -> 
                 await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: lots\r\n\r\nok")
         async with trio.open_nursery() as nursery:
             listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
-            with pytest.raises(UpstreamError, match="malformed Content-Length") as caught:
-                await post("127.0.0.1", listeners[0].socket.getsockname()[1], "/v1/completions", b"{}")
+            with pytest.raises(ClientError, match="malformed Content-Length") as caught:
+                await request("POST", "127.0.0.1", listeners[0].socket.getsockname()[1], "/v1/completions", body=b"{}")
             assert caught.value.started is False  # another member may still be tried
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def serve_once(answer: bytes, asked: list[bytes] | None = None) -> Any:
+    """A server on loopback that answers every request on a connection with `answer`."""
+    async def handler(stream: trio.SocketStream) -> None:
+        async with stream:
+            while data := await stream.receive_some(65536):
+                if asked is not None:
+                    asked.append(data)
+                await stream.send_all(answer)
+    return functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1")
+
+
+def test_fetch_reads_a_whole_answer_and_pools_its_connection() -> None:
+    asked: list[bytes] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(serve_once(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
+                                                       b"transfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", asked))
+            port = listeners[0].socket.getsockname()[1]
+            pool = Pool()
+            for _ in range(2):
+                whole = await fetch("POST", "127.0.0.1", port, "/x", body=b"{}", headers=[("X-A", "b")], pool=pool)
+                assert (whole.status, whole.headers["content-type"], whole.content) == (200, "text/plain", b"ok")
+            assert len(pool.idle[("127.0.0.1", port)]) == 1  # one connection carried both
+            pool.close()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert asked[0] == b"POST /x HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nX-A: b\r\nContent-Length: 2\r\n\r\n{}" % int(
+        asked[0].split(b":")[2].split(b"\r")[0])
+
+
+@pytest.mark.parametrize("answer", [b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\nhello world",
+                                    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nb\r\nhello world\r\n0\r\n\r\n"],
+                         ids=["content-length", "chunked"])
+def test_a_whole_answer_over_its_bound_is_refused(answer: bytes) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(serve_once(answer))
+            with pytest.raises(ClientError, match="over 10"):
+                await fetch("GET", "127.0.0.1", listeners[0].socket.getsockname()[1], "/", limit=10)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_get_takes_a_url_and_a_refused_connection_is_a_client_error() -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(serve_once(b"HTTP/1.1 204 No Content\r\n\r\n"))
+            port = listeners[0].socket.getsockname()[1]
+            assert (await get(f"http://127.0.0.1:{port}/health?x=1")).status == 204
+            nursery.cancel_scope.cancel()
+        with pytest.raises(ClientError, match=f"cannot connect to 127.0.0.1:{port}") as caught:
+            await get(f"http://127.0.0.1:{port}/health")
+        assert caught.value.started is False
+
+    trio.run(main)
+
+
+def test_an_oversized_head_is_refused() -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(serve_once(b"HTTP/1.1 200 OK\r\nx: " + b"y" * 2000 + b"\r\n\r\n"))
+            with pytest.raises(ClientError, match="oversized response head"):
+                await request("GET", "127.0.0.1", listeners[0].socket.getsockname()[1], "/", max_head=1024)
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -1,0 +1,375 @@
+"""fleet's one HTTP/1.1 client: connect (plain or TLS, a bounded wait), send a request, read the
+head (wire/http.py's split_head, bounded), then the body by its framing (chunked, Content-Length or
+to the end of the connection), decoded by httptools' response parser (llhttp, the parser of the
+server side in net/http1.py), fed each read as it arrives.
+
+Modes: a `Response` yields the body as it arrives (`read`: everything that has arrived, in one
+piece, so chunks coalesce when the reader is behind instead of queueing; the router's relay) or
+whole within a bound (`whole`); `fetch` is the one-shot whole-body call; a `Pool` keeps idle connections per host for the next request.
+Plain sockets are driven by net/sockio.py (a receive waits for readiness once and reads once: the
+relay's hot path, bench/relay); TLS goes through trio's SSLStream.
+
+A chunk-size line, an extension or a trailer is taken or refused exactly as llhttp takes or
+refuses it (tests/unit/test_net_client.py holds each form against httptools' verdict), and nothing
+of a framing line is buffered here."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol, Sequence
+from urllib.parse import urlsplit
+
+import httptools
+import trio
+
+from wire.http import MAX_HEAD, HeadError, HeadTooLarge, content_length, is_chunked, split_head
+
+from net import sockio
+from net.tls import client_context
+
+READ = 64 * 1024
+CONNECT_TIMEOUT = 5.0
+WHOLE_LIMIT = 64 << 20  # a whole answer larger than this is refused, not buffered (fetch's default)
+
+
+class ClientError(Exception):
+    """The exchange failed. `started` is false when nothing of the answer was received (so the
+    request may be tried elsewhere), true once any of it was. `__cause__` is what failed beneath
+    (an OSError, wire/http.py's HeadError, the TLS error), for callers that class failures."""
+
+    def __init__(self, message: str, *, started: bool) -> None:
+        super().__init__(message)
+        self.started = started
+
+
+class TlsFailed(ClientError):
+    """The TCP connection was made and the TLS handshake on it failed (`__cause__` says how)."""
+
+
+class Closed(ClientError):
+    """The server closed the connection before the whole head of an answer came."""
+
+
+class Connection:
+    """One connection to host:port: a non-blocking socket, wrapped in TLS when `tls` is set."""
+
+    __slots__ = ("sock", "tls", "key")
+
+    def __init__(self, sock: socket.socket, key: tuple[str, int] = ("", 0),
+                 tls: trio.SSLStream[trio.SocketStream] | None = None) -> None:
+        self.sock, self.key, self.tls = sock, key, tls
+
+    async def receive(self, size: int) -> bytes:
+        if self.tls is not None:
+            return bytes(await self.tls.receive_some(size))
+        return await sockio.receive(self.sock, size)
+
+    async def send(self, data: bytes) -> None:
+        if self.tls is not None:
+            await self.tls.send_all(data)
+        else:
+            await sockio.send(self.sock, data)
+
+    def close(self) -> None:
+        sockio.close(self.sock)
+
+
+class Pool:
+    """Idle keep-alive connections per host:port, at most `per_host` of each: a new TCP connection
+    for every request added a connection set-up in the server to every time-to-first-byte."""
+
+    def __init__(self, per_host: int = 16) -> None:
+        self.idle: dict[tuple[str, int], list[Connection]] = {}
+        self.per_host = per_host
+
+    def take(self, key: tuple[str, int]) -> Connection | None:
+        conns = self.idle.get(key)
+        return conns.pop() if conns else None
+
+    def give(self, conn: Connection) -> None:
+        conns = self.idle.setdefault(conn.key, [])
+        if len(conns) < self.per_host:
+            conns.append(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        for conns in self.idle.values():
+            for conn in conns:
+                conn.close()
+        self.idle.clear()
+
+
+class Response:
+    """The answer to one request: `data` is everything read so far, its head included (split_head
+    gave `status` and `headers`, names lower-cased); llhttp is fed all of it and frames the body.
+    `peer` names the other end in errors ("the worker")."""
+
+    def __init__(self, conn: Connection, status: int, headers: dict[str, str], data: bytes,
+                 pool: Pool | None = None, peer: str = "the server") -> None:
+        self.conn, self.status, self.headers = conn, status, headers
+        self.pool, self.peer = pool, peer
+        self.reusable = False  # set when the body ended cleanly on a keep-alive connection
+        self.chunked = is_chunked(headers)
+        self._left = None if self.chunked else content_length(headers)  # MalformedHead for anything but digits
+        self._parser = httptools.HttpResponseParser(self)
+        self._body: list[bytes] = []
+        self._done = self._complete = False
+        self._after_chunk_header = False  # a chunk's size line came and none of its data yet
+        self._probing = False
+        try:
+            self._feed(data)
+        except ClientError as exc:  # nothing of the body was taken yet
+            raise ClientError(str(exc), started=False) from exc.__cause__
+
+    @property
+    def sock(self) -> socket.socket:
+        return self.conn.sock
+
+    def close(self) -> None:
+        """Back to the pool after a clean end on a keep-alive connection; closed otherwise."""
+        if self.reusable and self.pool is not None and self.headers.get("connection", "").lower() != "close":
+            self.pool.give(self.conn)
+        else:
+            self.conn.close()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, piece by piece (see read)."""
+        while piece := await self.read():
+            yield piece
+
+    async def read(self) -> bytes:
+        """The next part of the body: everything that has arrived, de-chunked; b"" once the body
+        has ended."""
+        while True:
+            if self._body or self._done:
+                out, self._body = b"".join(self._body), []
+                return out
+            try:
+                more = await self.conn.receive(READ)
+            except (trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
+                raise ClientError(f"connection broke: {exc}", started=True) from None
+            if not more:
+                self._end_of_stream()
+            else:
+                self._feed(more)
+
+    async def whole(self, limit: int = WHOLE_LIMIT) -> bytes:
+        """The whole body; ClientError once it is known to exceed `limit` bytes (from its
+        Content-Length before a byte of it is read)."""
+        if self._left is not None and self._left > limit:
+            raise ClientError(f"{self.peer} answered with {self._left} bytes, over the {limit} taken", started=True)
+        parts, size = [], 0
+        while piece := await self.read():
+            size += len(piece)
+            if size > limit:
+                raise ClientError(f"{self.peer} answered with over {limit} bytes", started=True)
+            parts.append(piece)
+        return b"".join(parts)
+
+    def _feed(self, data: bytes) -> None:
+        if self._complete:
+            self.reusable = False  # bytes after the answer: the connection is not clean
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if self._complete:  # the answer ended and more came after it
+                self.reusable = False
+                return
+            what = "malformed chunked framing" if self.chunked else "a malformed answer"
+            raise ClientError(f"{self.peer} sent {what} (llhttp: {exc})", started=True) from exc
+
+    def _end_of_stream(self) -> None:
+        self._done = True
+        if self._complete:
+            return
+        if self.chunked:
+            # A last chunk without its final empty line (llhttp waits for it): taken, as the whole
+            # body has come, but the connection is not reused. Told apart from a chunk whose data
+            # never came by feeding that line: a last chunk completes, a data chunk takes it as data.
+            if self._after_chunk_header:
+                self._probing = True
+                try:
+                    self._parser.feed_data(b"\r\n")
+                except httptools.HttpParserError:
+                    pass
+                self._probing = False
+                if self._complete:
+                    self.reusable = False
+                    return
+            raise ClientError(f"{self.peer} closed the connection in the middle of its answer", started=True)
+        if self._left is not None:
+            raise ClientError(f"connection closed {self._left} bytes before the end", started=True)
+        # A body that ends where the connection ends.
+
+    # httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self._complete:  # bytes of another answer after this one: the connection is not clean
+            self.reusable = False
+
+    def on_chunk_header(self) -> None:
+        self._after_chunk_header = True
+
+    def on_body(self, body: bytes) -> None:
+        if self._probing:
+            self._complete = False
+            raise ClientError("probe", started=True)  # the final line was taken as data: cut short
+        self._after_chunk_header = False
+        if self._left is not None:
+            self._left -= len(body)
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._probing:
+            self._complete = True
+            return
+        self._complete = self._done = True
+        self.reusable = self._parser.should_keep_alive()
+
+
+@dataclass(frozen=True, slots=True)
+class Whole:
+    """An answer read whole (fetch)."""
+
+    status: int
+    headers: dict[str, str]
+    content: bytes
+
+
+class Fetch(Protocol):
+    """The one-shot seam (fetch's signature): a caller that takes one can be handed an in-process
+    stand-in in tests."""
+
+    async def __call__(self, method: str, host: str, port: int, target: str, *, body: bytes = b"",
+                       headers: Sequence[tuple[str, str]] = ()) -> Whole:
+        ...
+
+
+def encode(method: str, host: str, port: int, target: str, body: bytes, headers: Sequence[tuple[str, str]],
+           keep_alive: bool) -> bytes:
+    """The request's bytes: Host, the caller's headers, Content-Length where a body goes (or the
+    method is one that carries one), `Connection: close` unless the connection is to be kept."""
+    name = f"[{host}]" if ":" in host else host
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {name}:{port}\r\n"]
+    lines += [f"{k}: {v}\r\n" for k, v in headers]
+    if body or method in ("POST", "PUT", "PATCH"):
+        lines.append(f"Content-Length: {len(body)}\r\n")
+    if not keep_alive:
+        lines.append("Connection: close\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1") + body
+
+
+async def connect(host: str, port: int, *, tls: ssl.SSLContext | None = None, server_hostname: str | None = None,
+                  timeout: float = CONNECT_TIMEOUT) -> Connection:
+    """A connection to host:port within `timeout` seconds (the TLS handshake included, the
+    certificate checked against `server_hostname`, else `host`); ClientError(started=False) when
+    there is none, TlsFailed when the handshake failed."""
+    try:
+        with trio.fail_after(timeout):
+            sock = await sockio.connect(host, port)
+            if tls is None:
+                return Connection(sock, (host, port))
+            try:
+                stream = trio.SSLStream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)), tls,
+                                        server_hostname=server_hostname or host, https_compatible=True)
+                await stream.do_handshake()
+            except (trio.BrokenResourceError, OSError) as exc:
+                sockio.close(sock)
+                raise TlsFailed(f"TLS with {host}:{port} failed: {exc}", started=False) from exc
+            except BaseException:
+                sockio.close(sock)
+                raise
+            return Connection(sock, (host, port), stream)
+    except trio.TooSlowError:
+        raise ClientError(f"cannot connect to {host}:{port}: timed out", started=False) from None
+    except OSError as exc:
+        raise ClientError(f"cannot connect to {host}:{port}: {exc.strerror or exc}", started=False) from exc
+
+
+async def request(method: str, host: str, port: int, target: str, *, body: bytes = b"",
+                  headers: Sequence[tuple[str, str]] = (), pool: Pool | None = None,
+                  tls: ssl.SSLContext | None = None, peer: str = "the server", max_head: int = MAX_HEAD,
+                  connect_timeout: float = CONNECT_TIMEOUT) -> Response:
+    """Send the request and read the answer's head; the body is the caller's to read (Response),
+    then `close()` the response. With a `pool`, an idle connection to host:port is used first (one
+    the server closed meanwhile is noticed and the request sent once more on a fresh one) and a
+    clean one goes back to it. ClientError(started=False) when nothing of an answer was received."""
+    pooled = pool.take((host, port)) if pool is not None else None
+    if pooled is not None:
+        try:
+            return await send(pooled, method, target, body=body, headers=headers, pool=pool, peer=peer,
+                              max_head=max_head)
+        except ClientError as exc:
+            if exc.started:
+                raise
+    conn = await connect(host, port, tls=tls, timeout=connect_timeout)
+    return await send(conn, method, target, body=body, headers=headers, pool=pool, peer=peer, max_head=max_head)
+
+
+async def send(conn: Connection, method: str, target: str, *, body: bytes = b"",
+               headers: Sequence[tuple[str, str]] = (), pool: Pool | None = None, peer: str = "the server",
+               max_head: int = MAX_HEAD) -> Response:
+    """Send a request on `conn` and read the answer's head (request's second half, for a caller
+    that connects itself); the connection is closed on any failure. Kept alive only with a pool."""
+    host, port = conn.key
+    try:
+        await conn.send(encode(method, host, port, target, body, headers, pool is not None))
+        buf = b""
+        while (split := split_head(buf, max_head)) is None:
+            more = await conn.receive(READ)
+            if not more:
+                raise Closed(f"{host}:{port} closed the connection without answering", started=False)
+            buf += more
+        head, _ = split
+        return Response(conn, head.status, head.headers, buf, pool, peer)
+    except (trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
+        conn.close()
+        raise ClientError(f"{host}:{port}: {exc}", started=False) from exc
+    except HeadError as exc:
+        conn.close()
+        why = "an oversized response head" if isinstance(exc, HeadTooLarge) else f"a {exc}"
+        raise ClientError(f"{host}:{port} sent {why}", started=False) from exc
+    except BaseException:
+        conn.close()
+        raise
+
+
+async def fetch(method: str, host: str, port: int, target: str, *, body: bytes = b"",
+                headers: Sequence[tuple[str, str]] = (), pool: Pool | None = None,
+                tls: ssl.SSLContext | None = None, peer: str = "the server",
+                limit: int = WHOLE_LIMIT) -> Whole:
+    """One request, its answer read whole (at most `limit` bytes of body): the one-shot mode.
+    Timeouts are the caller's (trio.fail_after around the call); ClientError for the rest."""
+    response = await request(method, host, port, target, body=body, headers=headers, pool=pool, tls=tls, peer=peer)
+    try:
+        content = await response.whole(limit)
+    except BaseException:
+        response.reusable = False
+        raise
+    finally:
+        response.close()
+    return Whole(response.status, response.headers, content)
+
+
+def split_url(url: str) -> tuple[str, int, str, bool]:
+    """(host, port, target, tls) of an http:// or https:// URL; ValueError for anything else."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    tls = parts.scheme == "https"
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return parts.hostname, parts.port or (443 if tls else 80), target, tls
+
+
+async def get(url: str, *, headers: Sequence[tuple[str, str]] = (), tls: ssl.SSLContext | None = None,
+              limit: int = WHOLE_LIMIT) -> Whole:
+    """GET a URL on a connection of its own (a health check, a readiness probe)."""
+    host, port, target, secure = split_url(url)
+    if secure and tls is None:
+        tls = client_context()
+    return await fetch("GET", host, port, target, headers=headers, tls=tls if secure else None, limit=limit)
