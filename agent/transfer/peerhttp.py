@@ -1,103 +1,38 @@
-"""A minimal HTTP/1.1 GET over plain trio sockets, for bulk bytes between agents.
+"""A bulk HTTP/1.1 GET between agents, through net/client.py's bulk mode (`Response.into`).
 
 httpx's streaming body reader moves about 120-130 MB/s on this kind of machine, slower than the
-disk and the hash (docs/ARCHITECTURE.md); reading the socket directly into the hasher and the file is the
-fewest steps that still verify and store. Only what our own agents send is supported: one request
-per connection, a Content-Length body, no chunking, no redirects."""
+disk and the hash (docs/ARCHITECTURE.md); reading the socket directly into the hasher and the file
+is the fewest steps that still verify and store. What is this module's own: the request (a
+secret, a Range), what our agents' answers must be (one request per connection, a Content-Length
+body of exactly the bytes asked for), the patience on every wait, and each failure classed as
+resumable or final (PeerError)."""
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import re
-import socket
 import ssl
-import time
 from typing import Callable
 from urllib.parse import urlsplit
 
 import trio
 
+from net import client
 from net.tls import client_context
-from wire.floor import FLOOR_S, Floor, pace
-from wire.http import MAX_HEAD, HeadTooLarge, MalformedHead, ResponseHead, split_head
+from wire.floor import FLOOR_S, pace
+from wire.http import MAX_HEAD, HeadTooLarge, MalformedHead
 
-RECV = 1 << 20
-BLOCK = 512 << 10  # a bulk body is handed on in blocks of this size (bounded by FILL_S): see _fill
-FILL_S = 0.1
-# Behind a 1 Gbit/s link a receiver woken per arrival reads ~64-90 KiB a call: 0.7-1.0 CPU-s per GiB
-# here; napping 2 ms when a read brought less than 256 KiB: 0.4-0.5 CPU-s, at the same wall time. A
-# faster link fills the socket within the nap, reads come back large and it naps no more.
-NAP_BELOW = 256 << 10
-NAP_S = 0.002
-BULK = 8 << 20  # bodies larger than this are received in a worker thread
+BULK = client.BULK  # bodies larger than this are received in a worker thread (over plain TCP)
 PATIENCE = FLOOR_S  # the connection, the answer's head, and each floor's worth of its body (wire/floor.py)
 
 
-def _too_slow(floor: Floor, base: str, path: str, before: int = 0) -> PeerError:
-    """The fetch gives up on a body under the floor (`before`: what came with the answer's head)."""
+def _too_slow(exc: client.Stalled, base: str, path: str) -> PeerError:
+    """The fetch gives up on a body under the floor (what came with the answer's head counts in it)."""
+    floor, before = exc.floor, exc.before
     return PeerError(f"peer {base} sent {pace(floor.patience)} of {path} "
                      f"({before + floor.have:,} of {before + floor.want:,} bytes so far)",
                      resumable=True, code="peer_too_slow")
-
-
-def _blocking_receive(fd: int, want: int, on_data: Callable[[bytes | bytearray | memoryview], None],
-                      base: str, path: str, patience: float, before: int = 0) -> int:
-    """Receive up to `want` bytes on a duplicate of `fd`, blocking; returns how many arrived."""
-    # A duplicate descriptor: closing it leaves trio's socket open. Both share O_NONBLOCK, which
-    # Python's timeout mode expects anyway (it polls, then reads).
-    sock = socket.socket(fileno=os.dup(fd))
-    floor = Floor(want, patience, time.monotonic)
-    try:
-        view = memoryview(bytearray(BLOCK))
-        while floor.have < want:
-            if (left := floor.left()) <= 0:
-                raise TimeoutError
-            sock.settimeout(left)
-            n, ended = _fill(sock, view, min(BLOCK, want - floor.have))
-            if n:
-                on_data(view[:n])
-                floor.got(n)
-            if ended:
-                break
-        return floor.have
-    except TimeoutError:
-        raise _too_slow(floor, base, path, before) from None
-    finally:
-        sock.close()
-
-
-def _fill(sock: socket.socket, view: memoryview, size: int) -> tuple[int, bool]:
-    """Receive into view[:size] until it is full, or FILL_S after the first byte: (bytes, the peer
-    closed). The first read waits as long as the socket's timeout says (TimeoutError after it).
-    The consumer's per-call cost (two hashes started, a write, a thread handed a block) is paid
-    once a block, not once a recv; the bound keeps a slow link's bytes flowing on. A block the
-    size of a core's L2 cache (512 KiB here) is hashed and written while it is still there, and
-    holds the socket up briefly: a chain of three behind 1 Gbit/s links ran 9.7-9.8 s a GiB with
-    it, 11.5-11.7 s with 4 MiB blocks (CPU per GiB within the runs' noise)."""
-    timeout = sock.gettimeout()
-    n = sock.recv_into(view[:size])  # TimeoutError: the peer is idle
-    if not n:
-        return 0, True
-    filled, until = n, time.monotonic() + FILL_S
-    try:
-        while filled < size:
-            left = until - time.monotonic()
-            if left <= 0:
-                break
-            sock.settimeout(left)
-            try:
-                n = sock.recv_into(view[filled:size])
-            except TimeoutError:
-                break
-            if not n:
-                return filled, True
-            filled += n
-            if n < NAP_BELOW:  # faster than the link: let it fill the socket a moment, not wake per segment
-                time.sleep(min(NAP_S, max(0.0, until - time.monotonic())))
-    finally:
-        sock.settimeout(timeout)
-    return filled, False
 
 
 class PeerError(Exception):
@@ -114,33 +49,29 @@ class PeerError(Exception):
 
 
 async def _connect(base: str, ssl_context: ssl.SSLContext | None,
-                   server_hostname: str | None = None) -> tuple[trio.abc.Stream, str]:
+                   server_hostname: str | None = None) -> client.Connection:
     parts = urlsplit(base)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    # Over TLS, as the control plane checks an agent (reconciler/agents/transport.py): the
+    # certificate against the name the peer goes by in fleet.yaml (sent as SNI too); its address is
+    # only where to connect.
+    tls = (ssl_context or client_context()) if parts.scheme == "https" else None
     try:
-        stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
-    except OSError as exc:
-        raise PeerError(f"cannot connect to peer {base}: {exc.strerror or exc}", resumable=True) from None
-    if parts.scheme == "https":
-        # As the control plane checks an agent (reconciler/agents/transport.py): the certificate against the
-        # name the peer goes by in fleet.yaml (sent as SNI too); its address is only where to connect.
-        name = server_hostname or host
-        tls = trio.SSLStream(stream, ssl_context or client_context(), server_hostname=name)
-        try:
-            await tls.do_handshake()
-        except (trio.BrokenResourceError, OSError) as exc:
-            await trio.aclose_forcefully(tls)
-            refused = _tls_error(exc)
-            if refused is None:  # the connection broke, not the trust: worth asking again
-                raise PeerError(f"connection to peer {base} broke during the TLS handshake: {exc}",
-                                resumable=True) from None
-            why = (f"certificate verify failed: {refused.verify_message}"
-                   if isinstance(refused, ssl.SSLCertVerificationError) else str(refused))
-            # Final: asking again meets the same certificate.
-            raise PeerError(f"TLS with peer {base} (checked as {name!r}) failed: {why}",
-                            code="peer_tls_failed") from None
-        stream = tls
-    return stream, f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        return await client.connect(host, port, tls=tls, server_hostname=server_hostname, timeout=math.inf)
+    except client.TlsFailed as exc:
+        refused = _tls_error(exc.__cause__)
+        if refused is None:  # the connection broke, not the trust: worth asking again
+            raise PeerError(f"connection to peer {base} broke during the TLS handshake: {exc.__cause__}",
+                            resumable=True) from None
+        why = (f"certificate verify failed: {refused.verify_message}"
+               if isinstance(refused, ssl.SSLCertVerificationError) else str(refused))
+        # Final: asking again meets the same certificate.
+        raise PeerError(f"TLS with peer {base} (checked as {server_hostname or host!r}) failed: {why}",
+                        code="peer_tls_failed") from None
+    except client.ClientError as exc:
+        cause = exc.__cause__
+        reason = cause.strerror or cause if isinstance(cause, OSError) else exc
+        raise PeerError(f"cannot connect to peer {base}: {reason}", resumable=True) from None
 
 
 def _tls_error(exc: BaseException | None) -> ssl.SSLError | None:
@@ -169,103 +100,74 @@ async def get(base: str, path: str, secret: str, on_data: Callable[[bytes | byte
     TLS the peer's certificate is checked against `server_hostname` (else the URL's host). Every
     wait is bounded: the connection and the answer's head within `patience` seconds, then the body
     at FLOOR_BYTES every `patience` (a peer that stalls or drips is given up on; the fetch resumes)."""
-    connected = None
+    conn = None
     with trio.move_on_after(patience):
-        connected = await _connect(base, ssl_context, server_hostname)
-    if connected is None:
+        conn = await _connect(base, ssl_context, server_hostname)
+    if conn is None:
         raise PeerError(f"peer {base} did not take a connection for {path} within {patience:g} s",
                         resumable=True, code="peer_too_slow")
-    stream, hostport = connected
-    async with stream:
-        range_header = f"Range: bytes={start}-{'' if end is None else end}\r\n" if start is not None else ""
-        request = (f"GET {path} HTTP/1.1\r\nHost: {hostport}\r\nAuthorization: Bearer {secret}\r\n"
-                   f"{range_header}Connection: close\r\nUser-Agent: fleet-agent\r\n\r\n")
-        try:
-            split = None
-            with trio.move_on_after(patience):
-                split = await _ask(stream, request.encode(), base, path)
-            if split is None:
-                raise PeerError(f"peer {base} sent no whole answer head for {path} within {patience:g} s",
-                                resumable=True, code="peer_too_slow")
-            head, body = split
-            try:
-                length = head.content_length()
-            except MalformedHead as exc:
-                raise PeerError(f"peer {base} sent a {exc} for {path}") from None
-            if length is None:
-                raise PeerError(f"peer {base} sent no Content-Length for {path}")
-            status = head.status
-            if status not in (200, 206):
-                with trio.move_on_after(patience):  # the error's text, if it comes: a bounded wait
-                    while len(body) < min(length, MAX_HEAD):
-                        more = await stream.receive_some(RECV)
-                        if not more:
-                            break
-                        body += more
-                raise PeerError(f"peer {base} answered {status} for {path}: {_message(body)}", status=status,
-                                resumable=status >= 500, answer_code=_code(body))
-            if start is not None and start > 0 and status != 206:
-                raise PeerError(f"peer {base} ignored the Range request for {path}")
-            _check_range(head, length, start, end, base, path)
-            got = 0
-            if body:
-                on_data(body[:length])
-                got = min(len(body), length)
-            if isinstance(stream, trio.SocketStream) and length - got > BULK:
-                # Plain TCP bulk: a blocking socket in a worker thread, receiving into one reusable
-                # buffer, as the reference receiver does. Through trio's non-blocking recv the same
-                # loop ran about 20% slower (smaller reads, an event-loop pass per read).
-                # abandon_on_cancel: a shutting-down agent does not wait for the transfer to end.
-                got += await trio.to_thread.run_sync(_blocking_receive, stream.socket.fileno(), length - got,
-                                                     on_data, base, path, patience, got,
-                                                     abandon_on_cancel=True)
-            else:  # small bodies, and everything over TLS
-                floor = Floor(length - got, patience, trio.current_time)
-                while floor.have < floor.want:
-                    chunk = None
-                    with trio.move_on_after(max(0.0, floor.left())):
-                        chunk = await stream.receive_some(min(RECV, floor.want - floor.have))
-                    if chunk is None:
-                        raise _too_slow(floor, base, path, got)
-                    if not chunk:
-                        break
-                    on_data(chunk)
-                    floor.got(len(chunk))
-                got += floor.have
-            if got < length:
-                raise PeerError(f"peer {base} closed the connection after {got} of {length} bytes of {path}",
-                                resumable=True)
-            return status
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise PeerError(f"connection to peer {base} broke during {path}: {exc}", resumable=True) from None
-
-
-async def _ask(stream: trio.abc.Stream, request: bytes, base: str, path: str) -> tuple[ResponseHead, bytes]:
-    """Send the request and read the answer's head: (head, the body bytes that came with it)."""
-    await stream.send_all(request)
-    buf = b""
+    headers = [("Authorization", f"Bearer {secret}")]
+    if start is not None:
+        headers.append(("Range", f"bytes={start}-{'' if end is None else end}"))
+    headers.append(("User-Agent", "fleet-agent"))
+    response = None
     try:
-        while (split := split_head(buf)) is None:
-            chunk = await stream.receive_some(RECV)
-            if not chunk:
-                raise PeerError(f"peer {base} closed the connection before answering {path}", resumable=True)
-            buf += chunk
-    except HeadTooLarge:
-        raise PeerError(f"peer {base} sent an oversized response head for {path}") from None
-    except MalformedHead as exc:
-        raise PeerError(f"peer {base} sent a {exc} for {path}") from None
-    return split
+        with trio.move_on_after(patience):
+            response = await client.send(conn, "GET", path, headers=headers, peer=f"peer {base}")
+        if response is None:
+            raise PeerError(f"peer {base} sent no whole answer head for {path} within {patience:g} s",
+                            resumable=True, code="peer_too_slow")
+        length, status = response.length, response.status
+        if length is None:
+            raise PeerError(f"peer {base} sent no Content-Length for {path}")
+        if status not in (200, 206):
+            body = b""
+            with trio.move_on_after(patience):  # the error's text, if it comes: a bounded wait
+                while len(body) < min(length, MAX_HEAD) and (piece := await response.read()):
+                    body += piece
+            raise PeerError(f"peer {base} answered {status} for {path}: {_message(body)}", status=status,
+                            resumable=status >= 500, answer_code=_code(body))
+        if start is not None and start > 0 and status != 206:
+            raise PeerError(f"peer {base} ignored the Range request for {path}")
+        _check_range(status, response.headers, length, start, end, base, path)
+        got = await response.into(on_data, patience=patience)
+        if got < length:
+            raise PeerError(f"peer {base} closed the connection after {got} of {length} bytes of {path}",
+                            resumable=True)
+        return status
+    except client.Stalled as exc:
+        raise _too_slow(exc, base, path) from None
+    except client.ClientError as exc:
+        raise _failed(exc, base, path) from None
+    finally:
+        conn.close()
 
 
-def _check_range(head: ResponseHead, length: int, start: int | None, end: int | None, base: str, path: str) -> None:
+def _failed(exc: client.ClientError, base: str, path: str) -> PeerError:
+    """What a failed exchange means for the fetch: a connection that broke or closed is resumable; a
+    head the client could not use is final."""
+    cause = exc.__cause__
+    if isinstance(exc, client.Closed):
+        return PeerError(f"peer {base} closed the connection before answering {path}", resumable=True)
+    if isinstance(cause, HeadTooLarge):
+        return PeerError(f"peer {base} sent an oversized response head for {path}")
+    if isinstance(cause, MalformedHead):
+        return PeerError(f"peer {base} sent a {cause} for {path}")
+    if isinstance(cause, (OSError, trio.BrokenResourceError, trio.ClosedResourceError)):
+        return PeerError(f"connection to peer {base} broke during {path}: {cause}", resumable=True)
+    return PeerError(f"{exc} for {path}")
+
+
+def _check_range(status: int, headers: dict[str, str], length: int, start: int | None, end: int | None, base: str,
+                 path: str) -> None:
     """A body of exactly the bytes asked for, and a 206 that says it holds them: a peer that answers
     more (which a receiver would write before any digest could refuse it) or other bytes is refused."""
     first = start or 0
     if end is not None and length != end - first + 1:
         raise PeerError(f"peer {base} answered {length:,} bytes for bytes {first:,}-{end:,} of {path} "
                         f"({end - first + 1:,} asked)", resumable=True, code="peer_bad_answer")
-    if head.status == 206:
-        said = head.headers.get("content-range", "")
+    if status == 206:
+        said = headers.get("content-range", "")
         held = _CONTENT_RANGE.fullmatch(said)
         if held is None or int(held[1]) != first or int(held[2]) != first + length - 1:
             raise PeerError(f"peer {base} answered {said[:60]!r} ({length:,} bytes) of {path} for bytes "
