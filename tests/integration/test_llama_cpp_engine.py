@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+import llama_cpp as L
 import pytest
 
 from agent.backends.llama_cpp.engine import Engine, Job, Model
@@ -29,14 +30,21 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
     return Model(str(tiny_gguf(tmp_path_factory.mktemp("models"))), context_length=128, parallel=8, threads=1)
 
 
+def fresh(model: Model) -> Engine:
+    """An engine on the module's model, its context emptied of what another test left in it; not
+    started: the test runs its steps."""
+    L.llama_memory_clear(model.memory, True)
+    return Engine(model)
+
+
 def test_a_step_goes_in_sequence_order_over_the_lowest_sequences(model: Model) -> None:
-    engine = Engine(model)  # not started: the test runs its steps
+    engine = fresh(model)
     steps: list[list[int]] = []
     decode = engine._decode
 
-    def seen(items: list[tuple[int, int, int, bool]]) -> None:
+    def seen(items: list[tuple[int, int, int, bool]], abortable: bool = False) -> bool:
         steps.append([seq for _, _, seq, _ in items])
-        decode(items)
+        return decode(items, abortable)
     engine._decode = seen  # type: ignore[method-assign]
 
     def run(jobs: list[Job], count: int) -> None:
@@ -45,14 +53,14 @@ def test_a_step_goes_in_sequence_order_over_the_lowest_sequences(model: Model) -
         for _ in range(count):
             engine._once()
     first = [_job([1, 2, 3, 4 + k], 50) for k in range(6)]
-    run(first, 3)
+    run(first, 6)  # one prompt a step
     assert [j.seq for j in first] == [0, 1, 2, 3, 4, 5]
     # Requests end out of order (their clients leave); newcomers arrive after them, in the other order.
     for j in (first[4], first[1], first[2]):
         j.cancel()
     later = [_job([5, 6, 7 + k, 8, 9, 10], 50) for k in range(4)]
     steps.clear()
-    run(later, 3)
+    run(later, 4)
     assert sorted(j.seq for j in later) == [1, 2, 4, 6]  # the holes first, then the next one up
     running: Any = engine._running
     assert sorted(j.seq for j in running) == [0, 1, 2, 3, 4, 5, 6]
@@ -60,3 +68,53 @@ def test_a_step_goes_in_sequence_order_over_the_lowest_sequences(model: Model) -
         assert step == sorted(step), f"a step's tokens out of sequence order: {step}"
     # One decode step over the seven rows: one run of consecutive sequences, one micro-batch.
     assert steps[-1] == [0, 1, 2, 3, 4, 5, 6]
+
+
+def _run_alone(model: Model, prompt: list[int], max_new: int) -> list[int]:
+    engine = fresh(model)
+    job = _job(prompt, max_new)
+    engine.submit(job)
+    while not job.ended:
+        engine._once()
+    return job.answer
+
+
+def test_a_newcomer_stops_the_rows_decode_and_the_rows_answer_as_they_would_have(model: Model) -> None:
+    """A request that arrives while a step of rows alone runs stops it (llama.cpp's abort callback):
+    the next step is its prompt, then the rows' tokens again, which come out as they would have."""
+    alone = _run_alone(model, [1, 2, 3, 4, 5], 12)
+    engine = fresh(model)
+    row, newcomer = _job([1, 2, 3, 4, 5], 12), _job([7, 8, 9], 6)
+    engine.submit(row)
+    engine._once()  # its prompt and its second token
+    engine._once()
+    made = row.made
+    decode = engine._decode
+
+    def arriving(items: list[tuple[int, int, int, bool]], abortable: bool = False) -> bool:
+        if abortable and not newcomer.seq >= 0 and engine.aborted == 0:
+            engine.submit(newcomer)  # comes while the rows' decode runs
+        return decode(items, abortable)
+    engine._decode = arriving  # type: ignore[method-assign]
+    engine._once()
+    assert engine.aborted == 1 and row.made == made, "the rows' decode ran to its end"
+    engine._once()  # the newcomer's prompt first (its first token), then the rows with it
+    assert newcomer.made == 2 and row.made == made + 1
+    while not (row.ended and newcomer.ended):
+        engine._once()
+    assert row.answer == alone
+    assert newcomer.answer == _run_alone(model, [7, 8, 9], 6)
+    assert engine.stats()["aborted_steps"] == 1
+
+
+def test_no_newcomer_or_no_free_sequence_stops_nothing(model: Model) -> None:
+    engine = fresh(model)
+    engine._abortable = True
+    assert not engine._abort_wanted(None)  # nothing arrived
+    engine._arrivals.put(_job([1, 2], 2))
+    assert engine._abort_wanted(None)
+    engine._free = []
+    assert not engine._abort_wanted(None)  # it would only wait for a sequence
+    engine._free = [0]
+    engine._abortable = False
+    assert not engine._abort_wanted(None)  # a prompt's decode is never stopped

@@ -107,7 +107,7 @@ def test_batched_greedy_equals_alone(tiny: Worker) -> None:
     assert batched == alone
     if tiny.kind == "batched":  # (the server app counts its answer's tokens again from the text: 33 for 28 here)
         assert [n for _, _, n in alone] == [24, 28, 32, 36]
-        assert tiny.stats()["widest_step"] >= 2, "nothing ran batched"
+        assert tiny.stats()["widest_step"] >= 2, f"nothing ran batched: {tiny.stats()}"
 
 
 def test_each_request_keeps_its_seed_and_stop(tiny: Worker) -> None:

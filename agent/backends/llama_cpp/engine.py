@@ -1,9 +1,9 @@
 """The batched llama.cpp engine: one GGUF model, one context of `parallel` sequences, and one thread
 running every request of the worker through one decode loop on llama-cpp-python's low-level API.
 
-Each step is one `llama_decode` of the running rows' next tokens and then one for each newcomer's
-chunk of its prompt, as many prompt tokens as the step's prefill budget takes (a long prompt goes
-in chunks over several steps, so the rows already running keep their pace). A request gets a sequence of its
+Each step is one `llama_decode` of the oldest newcomer's chunk of its prompt (its first token sent
+at once), then one of the running rows' next tokens (a long prompt goes in chunks over several
+steps, so the rows already running keep their pace). A request gets a sequence of its
 own (its KV cells) when it is admitted and gives it back, cells freed, when it ends, is
 cancelled or its client leaves. A row whose reader has fallen behind is left out of the steps
 (its cells kept) until the reader catches up, as the PyTorch engine does
@@ -36,6 +36,7 @@ from agent.backends.outbox import Arrivals, End, Outbox, Params
 PREFILL_CHUNK = 256  # prompt tokens one step takes at most, beside the running rows' next tokens
 MAX_PARALLEL = 16  # sequences by default at most (fewer when their KV cache would not fit)
 MIN_PREFIX = 8  # prompt tokens in common with the cached prompt worth copying rather than computing
+ABORTED = 2  # llama_decode's answer when the abort callback stopped it
 KV_SHARE = 4  # the default `parallel` keeps every sequence's whole KV cache under 1/KV_SHARE of free memory
 
 
@@ -138,6 +139,7 @@ class Model:
         self.bos = int(L.llama_vocab_bos(self.vocab))
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self._pieces: dict[int, bytes] = {}
+        self.abort_check: Any = None  # the engine's abort callback (Engine), kept alive with the context
 
     # The vocabulary (any thread: these read the vocabulary only).
 
@@ -237,6 +239,13 @@ class Engine:
         self.accepted = 0
         self.prefix_hits = 0
         self.prefix_hit_tokens = 0
+        self.aborted = 0  # the rows' decodes abandoned for a newcomer's prompt (see _step)
+        self._abortable = False  # set while a step of rows alone runs: a newcomer may stop it
+        # llama.cpp asks this after each node of the graph it computes (a few hundred times a
+        # decode): a Python callback, under the GIL for a moment each time; alternated with none in
+        # one process, a step of 7 rows cost the same within the machine's noise (~90-110 ms).
+        model.abort_check = L.ggml_abort_callback(self._abort_wanted)  # alive as long as the context
+        L.llama_set_abort_callback(model.ctx, model.abort_check, None)
         self._cache_seq = model.parallel if model.prefix_cache else -1
         self._cached: list[int] = []  # the prompt the cache sequence holds
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -259,7 +268,12 @@ class Engine:
                 "parallel": self.m.parallel, "free_sequences": len(self._free), "sequences_freed": self.freed,
                 "prefills": self.prefills, "prefill_tokens": self.prefill_tokens, "prefix_hits": self.prefix_hits, "prefix_hit_tokens": self.prefix_hit_tokens,
                 "prefill_cpu_s": round(self.prefill_cpu_s, 3), "decode_cpu_s": round(self.decode_cpu_s, 3),
-                "drafted": self.drafted, "accepted": self.accepted}
+                "drafted": self.drafted, "accepted": self.accepted, "aborted_steps": self.aborted}
+
+    def _abort_wanted(self, _data: object) -> bool:
+        """llama.cpp's abort callback (the engine thread, inside llama_decode): stop a step of rows
+        alone when a request has come that a free sequence can take."""
+        return self._abortable and bool(self._free) and self._arrivals.pending() > 0
 
     # The engine thread.
 
@@ -338,6 +352,46 @@ class Engine:
         return [int(t) for t in found]
 
     def _step(self) -> bool:
+        """One prompt chunk, then the decoding rows' next tokens.
+
+        The prompt first, and its first token sent before the rows go: a newcomer waits for the
+        step in flight and its own prefill, not for the rows' tokens too. One prompt a step, in the
+        order they came: a step that took every waiting prompt ran as long as all of them, the
+        requests that came meanwhile were admitted together in the next, and requests admitted in
+        one step end in one step and come back together; on a CPU (a prompt of ~45 tokens ~4x a
+        step of 7 rows) eight staggered streams merged that way into one burst within a round or
+        two, and a stream's first token waited for the others' prompts (bench/engines' staggered
+        streams, RESULTS.md). One at a time, requests that arrive together leave a step apart.
+
+        And a newcomer does not wait for a step of rows alone: one that arrives while it runs stops
+        it (llama.cpp's abort callback, checked between the graph's nodes), its cells are removed
+        and the rows go again after the newcomer's prompt. A request mostly arrives just after a
+        step began (its client's previous answer ended with the step before), so what is thrown
+        away is a few milliseconds of a ~100 ms step; without it, a request that ended one step
+        after another's came back while the other's prompt ran and waited for it, every round.
+        The rows that follow a prompt in its step are not stopped: the rows would lose the step
+        that the prompt's row takes, and rows that lose a step with a newcomer end with it (the
+        burst of a first round merged into three streams that came back together)."""
+        c0 = time.process_time()
+        filling = next((job for job in self._running if job.fed < len(job.prompt)), None)
+        if filling is not None:
+            # Each prompt chunk in a llama_decode of its own: with the rows, llama.cpp's split_equal
+            # would cut a prompt at the rows' one token each, where a prompt alone goes whole, and a
+            # micro-batch of another size rounds otherwise: greedy answers then part from the
+            # single-sequence path's at a near tie (tests/integration/test_llama_cpp_worker.py).
+            # Alone, a prompt of up to PREFILL_CHUNK tokens is computed as llama-cpp-python's Llama
+            # computes it.
+            job = filling
+            take, last = min(self.m.chunk, len(job.prompt) - job.fed), len(job.prompt) - 1
+            self._decode([(job.prompt[p], p, job.seq, p == last) for p in range(job.fed, job.fed + take)])
+            job.fed += take
+            job.pos = job.fed
+            self.prefills += 1
+            self.prefill_tokens += take
+            if job.fed == len(job.prompt):
+                self._keep(job)
+                self._emit(job, self._pick(job, take - 1))
+        c1 = time.process_time()
         rows: list[tuple[Job, list[int]]] = []  # decoding rows in this step, with their drafts
         for job in self._running:
             if job.fed < len(job.prompt):
@@ -351,16 +405,7 @@ class Engine:
             if not job.aside:
                 room = min(job.params.max_new - job.made - 1, self.m.context_length - job.pos - 1)
                 rows.append((job, self._draft(job, room)))
-        # Each newcomer's chunk of its prompt this step (PREFILL_CHUNK a step in all, in admission order).
-        budget = self.m.chunk
-        filling: list[tuple[Job, int]] = []  # prefilling jobs in this step, with their tokens
-        for job in self._running:
-            if job.fed >= len(job.prompt) or budget <= 0:
-                continue
-            take = min(budget, len(job.prompt) - job.fed)
-            filling.append((job, take))
-            budget -= take
-        if not rows and not filling:
+        if not rows and filling is None:
             return False  # every row is aside (or none): wait for a reader or a request
         # The decoding rows in one llama_decode, in sequence order: with cells of its own for each
         # sequence, llama.cpp cuts a batch into micro-batches of consecutive sequences, taken in the
@@ -368,7 +413,6 @@ class Engine:
         # admitted, their sequences handed out and given back last in first out, a step at 8 streams
         # was 3.7 passes (7 when the order ran backwards, as it did every other round of requests),
         # against 1 now (bench/engines, LLAMA_BATCH_DEBUG).
-        c0 = time.process_time()
         if rows:
             rows.sort(key=lambda row: row[0].seq)
             items: list[tuple[int, int, int, bool]] = []
@@ -376,32 +420,20 @@ class Engine:
             for job, draft in rows:
                 first[job] = len(items)
                 items += [(t, job.pos + k, job.seq, True) for k, t in enumerate([job.next_token, *draft])]
-            self._decode(items)
-            for job, draft in rows:
-                self._advance(job, first[job], draft)
-        c1 = time.process_time()
-        # Each prompt chunk in a llama_decode of its own, after the rows: the split_equal above would
-        # cut prompts of different lengths in one batch at the shortest (and the rows' one token
-        # each), where a prompt alone goes whole, and a micro-batch of another size rounds otherwise:
-        # greedy answers then part from the single-sequence path's at a near tie (tests/integration/
-        # test_llama_cpp_worker.py). Alone, a prompt of up to PREFILL_CHUNK tokens is computed as
-        # llama-cpp-python's Llama computes it, for about the passes the split took.
-        for job, take in filling:
-            last = len(job.prompt) - 1
-            self._decode([(job.prompt[p], p, job.seq, p == last) for p in range(job.fed, job.fed + take)])
-            job.fed += take
-            job.pos = job.fed
-            if job.fed == len(job.prompt):
-                self._keep(job)
-                self._emit(job, self._pick(job, take - 1))
+            if self._decode(items, abortable=filling is None):
+                for job, draft in rows:
+                    self._advance(job, first[job], draft)
+            else:
+                # A newcomer stopped it: what llama.cpp kept of it removed, the rows where they were;
+                # the next step takes the newcomer's prompt, then these tokens again.
+                for job, _ in rows:
+                    L.llama_memory_seq_rm(self.m.memory, job.seq, job.pos, -1)
+                self.aborted += 1
         c2 = time.process_time()
-        self.decode_cpu_s += c1 - c0
-        self.prefill_cpu_s += c2 - c1
+        self.prefill_cpu_s += c1 - c0
+        self.decode_cpu_s += c2 - c1
         self.steps += 1
         self.widest = max(self.widest, len(rows))
-        if filling:
-            self.prefills += 1
-            self.prefill_tokens += sum(take for _, take in filling)
         return True
 
     def _advance(self, job: Job, base: int, draft: list[int]) -> None:
@@ -418,15 +450,23 @@ class Engine:
         if draft and not job.ended:
             L.llama_memory_seq_rm(self.m.memory, job.seq, job.pos, -1)
 
-    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+    def _decode(self, items: list[tuple[int, int, int, bool]], abortable: bool = False) -> bool:
+        """False when the abort callback stopped it (only an `abortable` decode: the rows')."""
         b = self.m.batch
         b.n_tokens = len(items)
         for i, (token, pos, seq, out) in enumerate(items):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, out
             b.seq_id[i][0] = seq
-        rc = L.llama_decode(self.m.ctx, b)
+        self._abortable = abortable
+        try:
+            rc = L.llama_decode(self.m.ctx, b)
+        finally:
+            self._abortable = False
+        if rc == ABORTED and abortable:
+            return False
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
+        return True
 
     def _pick(self, job: Job, i: int) -> int:
         if job.sampler is not None:
