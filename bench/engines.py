@@ -10,6 +10,9 @@ threads T and a context of 2048:
   torch_nocache  the same with --prefix-cache 0 (every prompt prefilled whole)
   llama_cpp_batched  agent.backends.llama_cpp.batched (fleet's batched llama.cpp worker, the agent's
                default) on the GGUF; its burst line has the prefill floor too (its /health counters)
+  llama_cpp_batched_serve  the same worker as users reach it: started by a real fleet-agent through
+               `fleet apply` (a GGUF cluster of one member, the control plane's node), every request
+               relayed by a real `fleet serve` (issue 34's figures are taken through it)
   llama_cpp    agent.backends.llama_cpp.worker (llama-cpp-python's server app, FLEET_LLAMA_WORKER=server) on the GGUF
   llama_cpp_ni the same with --interrupt_requests False (the server's default, True, ends a running
                stream early whenever another request arrives: see "cut")
@@ -20,7 +23,7 @@ threads T and a context of 2048:
                on the same work as llama_cpp_batched's n streams (the same prompts, --requests
                rounds of n, --tokens each); with llama_cpp_batched, run after each of its rounds
                and put against it round by round (issue 34: at least 0.8x at n streams), in
-               tokens per wall second and per CPU second
+               tokens per wall second and per CPU second (beside llama_cpp_batched_serve too)
 
 Each stream asks for a story (greedy, --tokens new tokens, counted from the usage chunk or the
 chunks) and sends its requests back to back. Three runs per engine: 1 stream (--requests in a
@@ -120,6 +123,8 @@ def _no_draft(digest: str, what: str) -> str:
 class Engine:
     """One or more engine processes on loopback, stopped by stop()."""
 
+    model = "m"  # the name requests give (a worker serves whatever it is asked)
+
     def __init__(self, argvs: list[Launch], health: str) -> None:
         self.urls: list[str] = []
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -167,6 +172,80 @@ class Engine:
                 p.kill()
 
 
+class ThroughServe:
+    """The batched llama.cpp worker as users reach it (issue 34's "through fleet serve"): a real
+    fleet-agent holding the GGUF, a fleet file with a GGUF cluster of that one node (the control
+    plane's own, as GGUF is), a real `fleet apply` that starts the worker, and `fleet serve`, whose
+    router relays every request. The streams go to serve's /v1 with the cluster's name; the engine's
+    counters are read from the worker's /health with the credential the agent reports, its CPU
+    from the worker process the agent started."""
+
+    model = "chat"
+
+    def __init__(self, threads: int) -> None:
+        import tempfile
+
+        from tests.agents import Agent, agent_env
+        from tests.conftest import fleet_bin
+        from tests.fleets import import_model, start_serve
+
+        self.dir = tempfile.TemporaryDirectory(prefix="bench-engines-")
+        self.base = base = Path(self.dir.name)
+        address = "127.0.0.2"
+        self.agent = Agent("cp", address, free_port(address), base / "cp").start()
+        self.serve: subprocess.Popen[str] | None = None
+        try:
+            digest = import_model(self.agent, smollm2_gguf())
+            listen = f"{address}:{free_port(address)}"
+            settings = f"context_length: 2048{f', threads: {threads}' if threads else ''}, startup_timeout_s: 300"
+            self.file = base / "fleet.yaml"
+            self.state_dir = base / "state"
+            self.file.write_text(f"""version: 1
+control_plane: {{node: cp, listen: {listen}}}
+nodes:
+  cp: {{address: {address}, agent_port: {self.agent.port}}}
+models:
+  smollm2: {{format: gguf, digest: "{digest}", source: cp}}
+replicas:
+  smollm2: [cp]
+clusters:
+  chat: {{model: smollm2, members: [cp], port: {free_port(address)}, settings: {{{settings}}}}}
+""")
+            applied = subprocess.run([fleet_bin(), "apply", "-f", str(self.file), "--auto-approve"], capture_output=True,
+                                     text=True, timeout=600, env=agent_env(FLEET_STATE_DIR=str(self.state_dir)))
+            if applied.returncode != 0:
+                raise SystemExit(f"fleet apply failed:\n{applied.stdout}\n{applied.stderr}")
+            self.serve = start_serve(self, listen, interval=30)
+            self.urls = [f"http://{listen}"]
+            self.worker = psutil.Process(self._server()["pid"])
+        except BaseException:
+            self.stop()
+            raise
+
+    def _server(self) -> dict[str, Any]:
+        return next(s for s in self.agent.get("/v1/state").json()["servers"] if s["id"] == "chat@cp")
+
+    def stats(self) -> dict[str, float]:
+        try:
+            server = self._server()
+            r = httpx.get(f"http://{server['host']}:{server['port']}/health", timeout=5,
+                          headers={"Authorization": f"Bearer {server.get('credential', '')}"})
+            return {k: float(v) for k, v in (r.json().get("engine") or {}).items()}
+        except (httpx.HTTPError, ValueError, KeyError, StopIteration, AttributeError):
+            return {}
+
+    def cpu(self) -> float:
+        return float(sum(self.worker.cpu_times()[:2]))
+
+    def stop(self) -> None:
+        from tests.fleets import stop_serve
+
+        stop_serve(self.serve)
+        self.serve = None
+        self.agent.stop()
+        self.dir.cleanup()
+
+
 def content(topic: str) -> str:
     """A user's message. Each prompt its own (a serial number after the topic): only the chat
     template's system prompt and the words before the topic are shared, as between users; an
@@ -174,8 +253,8 @@ def content(topic: str) -> str:
     return f"Write a long story about {topic}, number {next(SERIAL)}."
 
 
-def ask(client: httpx.Client, url: str, topic: str, tokens: int) -> Result:
-    body = {"model": "m", "messages": [{"role": "user", "content": content(topic)}],
+def ask(client: httpx.Client, url: str, topic: str, tokens: int, model: str = "m") -> Result:
+    body = {"model": model, "messages": [{"role": "user", "content": content(topic)}],
             "max_tokens": tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     times: list[float] = []
@@ -199,7 +278,8 @@ def ask(client: httpx.Client, url: str, topic: str, tokens: int) -> Result:
     return Result(ttft, usage if usage is not None else len(times), finish, t0, tuple(times))
 
 
-def streams(urls: list[str], n: int, requests: int, tokens: int, stagger: float = 0.0) -> tuple[float, list[list[Result]]]:
+def streams(urls: list[str], n: int, requests: int, tokens: int, stagger: float = 0.0,
+            model: str = "m") -> tuple[float, list[list[Result]]]:
     """n streams, each `requests` requests back to back, stream i starting i * stagger seconds after
     the first: (wall seconds, results per stream)."""
     out: list[list[Result]] = [[] for _ in range(n)]
@@ -210,7 +290,7 @@ def streams(urls: list[str], n: int, requests: int, tokens: int, stagger: float 
             go.wait()
             time.sleep(i * stagger)
             for k in range(requests):
-                out[i].append(ask(client, urls[i % len(urls)], TOPICS[(i + k) % len(TOPICS)], tokens))
+                out[i].append(ask(client, urls[i % len(urls)], TOPICS[(i + k) % len(TOPICS)], tokens, model))
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
@@ -265,7 +345,7 @@ def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | 
     and ramp-down left out). Tokens per CPU-second of the engine's processes is printed too: on a
     shared machine it moves far less with the neighbours' load than tokens per wall second."""
     with httpx.Client(timeout=600) as client:
-        ask(client, engine.urls[0], "warming up", 4)
+        ask(client, engine.urls[0], "warming up", 4, engine.model)
     n, rows = args.streams, []
     counters: dict[str, float] = {}
     peak = matmul_peak(args.threads or DEFAULT_THREADS) if shape is not None else float("nan")
@@ -282,7 +362,7 @@ def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | 
         sampler = threading.Thread(target=sample)
         samples.append((time.perf_counter(), engine.cpu()))
         sampler.start()
-        _, out = streams(engine.urls, count, requests, args.tokens, stagger)
+        _, out = streams(engine.urls, count, requests, args.tokens, stagger, engine.model)
         done.set()
         sampler.join()
         samples.append((time.perf_counter(), engine.cpu()))
@@ -369,7 +449,7 @@ def main() -> None:
     for name in args.engines.split(","):
         shape: Shape | None = None
         if name == "llama_cpp_batch":
-            if "llama_cpp_batched" not in args.engines.split(","):
+            if not any(e.startswith("llama_cpp_batched") for e in args.engines.split(",")):
                 from bench.llama_batch import llama_batched
 
                 llama_batched(args, TOPICS, content)
@@ -379,6 +459,8 @@ def main() -> None:
             extra = ("--prefix-cache", "0") if name == "torch_nocache" else ()
             engine = Engine([launch(torch_spec.SPEC, model, args.threads, *extra)], torch_spec.SPEC.health)
             shape = model_shape(model)
+        elif name == "llama_cpp_batched_serve":
+            engine = ThroughServe(args.threads)
         elif name == "llama_cpp_batched":
             engine = Engine([batched], llama_spec.SPEC.health)
         elif name == "llama_cpp":
@@ -391,15 +473,15 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown engine {name}")
         try:
-            if name == "llama_cpp_batched" and "llama_cpp_batch" in args.engines.split(","):
-                measure_beside(engine, args)
+            if name.startswith("llama_cpp_batched") and "llama_cpp_batch" in args.engines.split(","):
+                measure_beside(name, engine, args)
             else:
                 measure(name, engine, args, shape)
         finally:
             engine.stop()
 
 
-def measure_beside(engine: Engine, args: argparse.Namespace) -> None:
+def measure_beside(name: str, engine: Engine, args: argparse.Namespace) -> None:
     """llama_cpp_batched's rounds with the bindings' in-process batched decoding at n sequences
     (bench/llama_batch: the same prompts, --requests rounds of n, --tokens each) run after each
     round, in this process while the worker idles: each round's ratio (issue 34: the worker's n
@@ -420,13 +502,13 @@ def measure_beside(engine: Engine, args: argparse.Namespace) -> None:
         ratios.append((rb * tps1 / many.tps, rs * tps1 / many.tps, cs * cps1 / many.cps, rs * tps1, cs * cps1, many.tps,
                        many.cps, many.load))
     try:
-        measure("llama_cpp_batched", engine, args, beside=beside)
+        measure(name, engine, args, beside=beside)
     finally:
         arm.close()
     print(line(n, one, Figures(*(statistics.median(getattr(r, f) for r in runs)
                                  for f in ("tps", "ttft", "cps", "prompt", "load")))), flush=True)
     for label, r in [*((f"  round {i + 1}", r) for i, r in enumerate(ratios)),
-                     ("llama_cpp_batched", tuple(statistics.median(c) for c in zip(*ratios)))]:
+                     (name, tuple(statistics.median(c) for c in zip(*ratios)))]:
         at_once, streams, cpu, tps, cps, inproc, inproc_cps, load = r
         print(f"{label:<16} against the in-process batched decoding at {n} sequences: {n} streams {tps:5.1f} tok/s "
               f"against {inproc:5.1f} ({streams:4.2f}x; {n} at once {at_once:4.2f}x) | per CPU-s {cps:5.1f} tok "
