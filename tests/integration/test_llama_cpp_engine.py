@@ -47,20 +47,20 @@ def test_a_step_goes_in_sequence_order_over_the_lowest_sequences(model: Model) -
         return decode(items, abortable)
     engine._decode = seen  # type: ignore[method-assign]
 
-    def run(jobs: list[Job], count: int) -> None:
+    def run(jobs: list[Job]) -> None:  # until every prompt is in
         for job in jobs:
             engine.submit(job)
-        for _ in range(count):
+        while any(job.fed < len(job.prompt) for job in jobs):
             engine._once()
     first = [_job([1, 2, 3, 4 + k], 50) for k in range(6)]
-    run(first, 6)  # one prompt a step
+    run(first)
     assert [j.seq for j in first] == [0, 1, 2, 3, 4, 5]
     # Requests end out of order (their clients leave); newcomers arrive after them, in the other order.
     for j in (first[4], first[1], first[2]):
         j.cancel()
     later = [_job([5, 6, 7 + k, 8, 9, 10], 50) for k in range(4)]
     steps.clear()
-    run(later, 4)
+    run(later)
     assert sorted(j.seq for j in later) == [1, 2, 4, 6]  # the holes first, then the next one up
     running: Any = engine._running
     assert sorted(j.seq for j in running) == [0, 1, 2, 3, 4, 5, 6]
@@ -118,3 +118,18 @@ def test_no_newcomer_or_no_free_sequence_stops_nothing(model: Model) -> None:
     engine._free = [0]
     engine._abortable = False
     assert not engine._abort_wanted(None)  # a prompt's decode is never stopped
+
+
+def test_a_step_takes_more_prompts_only_within_the_time_of_a_step_of_rows(model: Model) -> None:
+    """The oldest newcomer's prompt always; more while their time stays within the rows' last step:
+    on this CPU one (a prompt is several steps of rows), where a step of rows costs several prompts
+    (a GPU) several."""
+    for rows_s, taken in ((0.0, 1), (60.0, 3)):
+        engine = fresh(model)
+        for k in range(3):
+            engine.submit(_job([1, 2, 3, 4 + k], 8))
+        engine._rows_s = rows_s  # as if the rows' last step had taken this long
+        engine._once()
+        assert engine.stats()["prefills"] == taken
+        while engine._running:
+            engine._once()

@@ -241,6 +241,8 @@ class Engine:
         self.prefix_hit_tokens = 0
         self.aborted = 0  # the rows' decodes abandoned for a newcomer's prompt (see _step)
         self._abortable = False  # set while a step of rows alone runs: a newcomer may stop it
+        self._rows_s = 0.0  # the last step of rows, in seconds (what more prompts in a step may take)
+        self._prompt_s_per_token = 0.0  # the last prompt chunk's seconds per token
         # llama.cpp asks this after each node of the graph it computes (a few hundred times a
         # decode): a Python callback, under the GIL for a moment each time; alternated with none in
         # one process, a step of 7 rows cost the same within the machine's noise (~90-110 ms).
@@ -352,16 +354,20 @@ class Engine:
         return [int(t) for t in found]
 
     def _step(self) -> bool:
-        """One prompt chunk, then the decoding rows' next tokens.
+        """The newcomers' prompt chunks, then the decoding rows' next tokens.
 
-        The prompt first, and its first token sent before the rows go: a newcomer waits for the
-        step in flight and its own prefill, not for the rows' tokens too. One prompt a step, in the
-        order they came: a step that took every waiting prompt ran as long as all of them, the
-        requests that came meanwhile were admitted together in the next, and requests admitted in
-        one step end in one step and come back together; on a CPU (a prompt of ~45 tokens ~4x a
-        step of 7 rows) eight staggered streams merged that way into one burst within a round or
-        two, and a stream's first token waited for the others' prompts (bench/engines' staggered
-        streams, RESULTS.md). One at a time, requests that arrive together leave a step apart.
+        Prompts first, each one's first token sent as soon as it is computed: a newcomer waits for
+        the step in flight and the prompts before its own, not for the rows' tokens too. And few
+        prompts a step, in the order they came: the oldest newcomer's, then more only while their
+        time (at the last prompts' pace per token) stays within the rows' last step. A step that
+        took every waiting prompt ran as long as all of them, the requests that came meanwhile were
+        admitted together in the next, and requests admitted in one step end in one step and come
+        back together: on this CPU (a prompt of ~45 tokens ~4x a step of 7 rows) eight staggered
+        streams merged that way into one burst within a round or two, their first tokens waiting
+        for each other's prompts (bench/engines' staggered streams, RESULTS.md). One prompt a step
+        here, so requests that arrive together leave a step apart; where a step of rows costs what
+        several prompts do (a GPU, whose step hardly grows with its rows), a step takes several,
+        and a burst's last first token does not wait for a step of rows between each two.
 
         And a newcomer does not wait for a step of rows alone: one that arrives while it runs stops
         it (llama.cpp's abort callback, checked between the graph's nodes), its cells are removed
@@ -369,21 +375,28 @@ class Engine:
         step began (its client's previous answer ended with the step before), so what is thrown
         away is a few milliseconds of a ~100 ms step; without it, a request that ended one step
         after another's came back while the other's prompt ran and waited for it, every round.
-        The rows that follow a prompt in its step are not stopped: the rows would lose the step
-        that the prompt's row takes, and rows that lose a step with a newcomer end with it (the
+        The rows that follow prompts in their step are not stopped: the rows would lose the step
+        that the prompts' rows take, and rows that lose a step with a newcomer end with it (the
         burst of a first round merged into three streams that came back together)."""
         c0 = time.process_time()
-        filling = next((job for job in self._running if job.fed < len(job.prompt)), None)
-        if filling is not None:
+        filled = 0  # prompt chunks computed this step
+        spent = 0.0
+        for job in [j for j in self._running if j.fed < len(j.prompt)]:
+            take = min(self.m.chunk, len(job.prompt) - job.fed)
+            if filled and spent + take * self._prompt_s_per_token > self._rows_s:
+                break
             # Each prompt chunk in a llama_decode of its own: with the rows, llama.cpp's split_equal
             # would cut a prompt at the rows' one token each, where a prompt alone goes whole, and a
             # micro-batch of another size rounds otherwise: greedy answers then part from the
             # single-sequence path's at a near tie (tests/integration/test_llama_cpp_worker.py).
             # Alone, a prompt of up to PREFILL_CHUNK tokens is computed as llama-cpp-python's Llama
             # computes it.
-            job = filling
-            take, last = min(self.m.chunk, len(job.prompt) - job.fed), len(job.prompt) - 1
+            last, t0 = len(job.prompt) - 1, time.perf_counter()
             self._decode([(job.prompt[p], p, job.seq, p == last) for p in range(job.fed, job.fed + take)])
+            took = time.perf_counter() - t0
+            spent += took
+            self._prompt_s_per_token = took / take
+            filled += 1
             job.fed += take
             job.pos = job.fed
             self.prefills += 1
@@ -405,7 +418,7 @@ class Engine:
             if not job.aside:
                 room = min(job.params.max_new - job.made - 1, self.m.context_length - job.pos - 1)
                 rows.append((job, self._draft(job, room)))
-        if not rows and filling is None:
+        if not rows and not filled:
             return False  # every row is aside (or none): wait for a reader or a request
         # The decoding rows in one llama_decode, in sequence order: with cells of its own for each
         # sequence, llama.cpp cuts a batch into micro-batches of consecutive sequences, taken in the
@@ -420,7 +433,9 @@ class Engine:
             for job, draft in rows:
                 first[job] = len(items)
                 items += [(t, job.pos + k, job.seq, True) for k, t in enumerate([job.next_token, *draft])]
-            if self._decode(items, abortable=filling is None):
+            t0 = time.perf_counter()
+            if self._decode(items, abortable=not filled):
+                self._rows_s = time.perf_counter() - t0
                 for job, draft in rows:
                     self._advance(job, first[job], draft)
             else:
