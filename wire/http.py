@@ -1,9 +1,10 @@
 """HTTP/1.1 response heads, byte-level and pure: where a head ends, its status and headers.
 
-Three clients read response heads off raw sockets (the control plane's agent client, the agents'
-bulk fetch, the router's relay to workers); each owns its socket and its errors, and all of them
-decide "is the head complete, is it too large, what does it say" here, the same way at any cut of
-the byte stream (tests/unit/test_wire_http.py feeds every split)."""
+Two clients read response heads off raw sockets (net/client.py, the one client: the router's relay
+to workers, the agents' bulk fetch, health checks; and the control plane's agent client,
+reconciler/agents/transport.py and batch.py); each owns its socket and its errors, and both decide
+"is the head complete, is it too large, what does it say" here, the same way at any cut of the
+byte stream (tests/unit/test_wire_http.py feeds every split)."""
 
 from __future__ import annotations
 
