@@ -348,10 +348,11 @@ def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | 
         ask(client, engine.urls[0], "warming up", 4, engine.model)
     n, rows = args.streams, []
     counters: dict[str, float] = {}
+    engine_cpu_at: Callable[[float], float] = lambda t: float("nan")
     peak = matmul_peak(args.threads or DEFAULT_THREADS) if shape is not None else float("nan")
 
     def phase(count: int, requests: int, stagger: float = 0.0) -> tuple[float, float, list[list[Result]]]:
-        nonlocal counters
+        nonlocal counters, engine_cpu_at
         samples: list[tuple[float, float]] = []
         before = engine.stats()
         done = threading.Event()
@@ -375,6 +376,7 @@ def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | 
 
         def cpu_at(t: float) -> float:
             return min(samples, key=lambda x: abs(x[0] - t))[1]
+        engine_cpu_at = cpu_at
         return tokens / (b - a), tokens / max(cpu_at(b) - cpu_at(a), 1e-9), out
 
     for _ in range(args.rounds):
@@ -387,6 +389,12 @@ def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | 
         # work: at best the single request's TTFT with the burst's prefill CPU time in place of its
         # own. That is the floor of the ratio (the engine's CPU seconds, so the load moves it little).
         worst = max(s[0].ttft for s in burst)
+        # The same in the engine's CPU seconds, which the neighbours' load moves little: from the
+        # burst's first request to its last first token, against the burst's prefill CPU (1.00:
+        # nothing but the prompts ran before it; sampled every 0.1 s).
+        sent = min(s[0].start for s in burst)
+        burst_cpu = engine_cpu_at(max(s[0].start + s[0].ttft for s in burst)) - engine_cpu_at(sent)
+        cpu_over_floor = burst_cpu / counters["prefill_cpu_s"] if counters.get("prefill_cpu_s") else float("nan")
         floor = (ttft1 - prefill1 + counters.get("prefill_cpu_s", 0.0)) / ttft1 if counters else float("nan")
         work = (worst, floor, counters.get("prefills", float("nan")), counters.get("prefill_tokens", float("nan")),
                 counters.get("prefix_hit_tokens", float("nan")), prefill1, counters.get("prefill_cpu_s", float("nan")))
@@ -401,17 +409,18 @@ def measure(name: str, engine: Engine, args: argparse.Namespace, shape: Shape | 
                   if r.tokens < args.tokens and r.finish != "stop")
         rows.append((tps1, ttft1, tpsb / tps1, worst / ttft1, *work, *rates, tpss / tps1,
                      max(statistics.median(r.ttft for r in s[1:] or s) for s in steady) / ttft1,
-                     max(r.ttft for s in steady for r in s[1:] or s) / ttft1, cps1, cpsb / cps1, cpss / cps1, cut))
+                     max(r.ttft for s in steady for r in s[1:] or s) / ttft1, cps1, cpsb / cps1, cpss / cps1, cut,
+                     cpu_over_floor))
         if beside is not None:
             beside(rows[-1])
     for label, row in [*((f"  round {i + 1}", r) for i, r in enumerate(rows)),
                        (name, tuple(statistics.median(c) for c in zip(*rows)))]:
         (tps1, ttft1, rb, tb, worst, floor, forwards, computed, known, cpu1, cpun, need, rate, rate1, rs, ts, tw, cps1,
-         cb, cs, cut) = row
+         cb, cs, cut, cpu_over_floor) = row
         detail = "" if floor != floor else (
             f" ({worst * 1000:4.0f} ms; floor {floor:3.1f}x: prefill CPU {cpun * 1000:3.0f} ms against "
             f"{cpu1 * 1000:3.0f} ms for one, {forwards:g} forwards, {computed:g} prompt tokens computed, "
-            f"{known:g} from the cache")
+            f"{known:g} from the cache; the engine's CPU to the last first token {cpu_over_floor:4.2f}x the prefill's")
         if shape is not None and floor == floor:
             detail += (f"; 2x needs the burst's prefill at {need / 1e9:3.0f} GFLOP/s, it ran at {rate / 1e9:3.0f} "
                        f"(one request's {rate1 / 1e9:3.0f}), this machine's best matmul at {args.threads or DEFAULT_THREADS} thread(s) "
