@@ -79,9 +79,19 @@ def _run_alone(model: Model, prompt: list[int], max_new: int) -> list[int]:
     return job.answer
 
 
-def test_a_newcomer_stops_the_rows_decode_and_the_rows_answer_as_they_would_have(model: Model) -> None:
+@pytest.fixture(scope="module")
+def lookup_model(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """With prompt lookup: a row's step carries draft tokens, whose cells a stopped step leaves too."""
+    return Model(str(tiny_gguf(tmp_path_factory.mktemp("models"))), context_length=128, parallel=8, threads=1,
+                 lookup=4)
+
+
+@pytest.mark.parametrize("drafts", [False, True])
+def test_a_newcomer_stops_the_rows_decode_and_the_rows_answer_as_they_would_have(
+        model: Model, lookup_model: Model, drafts: bool) -> None:
     """A request that arrives while a step of rows alone runs stops it (llama.cpp's abort callback):
     the next step is its prompt, then the rows' tokens again, which come out as they would have."""
+    model = lookup_model if drafts else model
     alone = _run_alone(model, [1, 2, 3, 4, 5], 12)
     engine = fresh(model)
     row, newcomer = _job([1, 2, 3, 4, 5], 12), _job([7, 8, 9], 6)
@@ -105,6 +115,7 @@ def test_a_newcomer_stops_the_rows_decode_and_the_rows_answer_as_they_would_have
     assert row.answer == alone
     assert newcomer.answer == _run_alone(model, [7, 8, 9], 6)
     assert engine.stats()["aborted_steps"] == 1
+    assert (engine.stats()["drafted"] > 0) == drafts
 
 
 def test_no_newcomer_or_no_free_sequence_stops_nothing(model: Model) -> None:
