@@ -1,6 +1,7 @@
 """The headers an import reads, each bounded before it allocates and checked against its format:
-a model's config.json, a safetensors file's header, a GGUF file's header (with the `gguf` library's
-reader). A HeaderError names the file, what is wrong, and a stable code; a hostile file never gets
+a model's config.json, a safetensors file's header, a GGUF file's header (_parse_gguf: the `gguf`
+library's reader decoded every metadata value, SmolLM2's 49,152-token vocabulary element by element,
+seconds of CPU per import or fetch). A HeaderError names the file, what is wrong, and a stable code; a hostile file never gets
 further than its header, nor costs more than its bounds.
 
 The bounds (README, Bounds):
@@ -16,6 +17,7 @@ The bounds (README, Bounds):
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -189,10 +191,9 @@ SHAPE_KEYS = ("block_count", "embedding_length", "attention.head_count", "attent
 
 
 def read_gguf(path: Path, size: int) -> dict[str, Any]:
-    """Check a GGUF file with the `gguf` library's reader: {"architecture", "tensors", "version",
-    "shape"} (shape: the metadata the KV cache is sized by, agent/weights/architecture.py, read by the
-    same parse). The fixed header is read first, so that no count the file claims is believed past
-    its size."""
+    """Check a GGUF file's header: {"architecture", "tensors", "version", "shape"} (shape: the
+    metadata the KV cache is sized by, agent/weights/architecture.py, read by the same parse). The
+    fixed header is read first, so that no count the file claims is believed past its size."""
 
     def bad(message: str) -> HeaderError:
         return HeaderError("invalid_gguf", f"{path}: {message}")
@@ -214,28 +215,18 @@ def read_gguf(path: Path, size: int) -> dict[str, Any]:
     if n_tensors == 0:
         raise bad("it holds no tensors (a header alone is no model)")
     try:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        reader = GGUFReader(str(path))
-        arch = reader.get_field("general.architecture")
-        architecture = str(arch.contents()) if arch is not None else None
-        infos = [(f.name, f.parts) for f in (t.field for t in reader.tensors)]
-        alignment, data_offset = int(reader.alignment), int(reader.data_offset)
-        shape: dict[str, Any] = {}
-        for key in reader.fields:
-            if key.split(".", 1)[-1] in SHAPE_KEYS:
-                value = reader.fields[key].contents()
-                # head_count_kv may be a per-layer array (some architectures): its largest sizes the cache
-                shape[key] = max(value) if isinstance(value, list) and value else value
-    except Exception as exc:  # the reader's words for a truncated or corrupt file, in one line
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            architecture, shape, infos, alignment, data_offset = _parse_gguf(data, n_tensors, n_kv)
+    except Exception as exc:  # a truncated or corrupt header, in one line
         words = str(exc).splitlines()[0][:200] if str(exc) else ""
         raise bad(f"not a readable GGUF file (truncated or corrupt): {type(exc).__name__}: {words}") from None
     if not architecture:
         raise bad("it names no architecture (general.architecture)")
     extents = []
-    for name, parts in infos:
-        n_dims, dims, raw_type, offset = int(parts[2][0]), [int(d) for d in parts[3]], int(parts[4][0]), int(parts[5][0])
-        what = GGMLQuantizationType(raw_type)  # the reader refused an unknown type already
+    for name, n_dims, dims, raw_type, offset in infos:
+        what = GGMLQuantizationType(raw_type)  # _parse_gguf refused an unknown type already
         block, type_size = GGML_QUANT_SIZES[what]
         elements = 1
         for d in dims:
@@ -255,3 +246,112 @@ def read_gguf(path: Path, size: int) -> dict[str, Any]:
             raise bad(f"tensors {prev[:80]!r} and {name[:80]!r} overlap")
     return {"architecture": architecture, "tensors": len(infos), "version": version,
             "shape": {"general.architecture": architecture, **shape}}
+
+
+# GGUF metadata value types (gguf's GGUFValueType): the fixed-size ones by struct format.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
+_GGUF_MAX_NESTING = 8  # an array of arrays of ...: no real file nests at all
+_GGUF_DEFAULT_ALIGNMENT = 32
+
+
+class _Cursor:
+    """Reads little-endian values from a GGUF file's bytes, never past them."""
+
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data, self.pos, self.size = data, 24, len(data)
+
+    def take(self, n: int) -> int:
+        """Skip n bytes; where they began."""
+        at = self.pos
+        if n < 0 or at + n > self.size:
+            raise ValueError(f"{n:,} bytes at offset {at:,} run past the end of the file ({self.size:,} bytes)")
+        self.pos = at + n
+        return at
+
+    def unpack(self, fmt: str) -> Any:
+        return struct.unpack_from("<" + fmt, self.data, self.take(struct.calcsize("<" + fmt)))[0]
+
+    def string(self, keep: bool = True) -> str:
+        n = self.unpack("Q")
+        at = self.take(n)
+        return self.data[at:at + n].decode("utf-8") if keep else ""
+
+    def value(self, kind: int, keep: bool, depth: int = 0) -> Any:
+        """A metadata value of type `kind`: decoded where `keep`, else skipped (None)."""
+        if kind in _GGUF_SCALARS:
+            return self.unpack(_GGUF_SCALARS[kind]) if keep else self.take(struct.calcsize(_GGUF_SCALARS[kind]))
+        if kind == _GGUF_STRING:
+            return self.string(keep)
+        if kind != _GGUF_ARRAY:
+            raise ValueError(f"unknown metadata value type {kind}")
+        if depth >= _GGUF_MAX_NESTING:
+            raise ValueError(f"arrays nested more than {_GGUF_MAX_NESTING} deep")
+        item, count = self.unpack("I"), self.unpack("Q")
+        if item in _GGUF_SCALARS:  # one read for the whole array
+            fmt = _GGUF_SCALARS[item]
+            at = self.take(count * struct.calcsize(fmt))
+            return list(struct.unpack_from(f"<{count}{fmt}", self.data, at)) if keep else None
+        if item == _GGUF_STRING and not keep:  # a vocabulary: each length read, nothing decoded
+            data, pos, size, unpack = self.data, self.pos, self.size, struct.Struct("<Q").unpack_from
+            for _ in range(count):
+                if pos + 8 > size:
+                    raise ValueError(f"a string's length at offset {pos:,} runs past the end of the file")
+                pos += 8 + unpack(data, pos)[0]
+                if pos > size:
+                    raise ValueError(f"a string ending at offset {pos:,} runs past the end of the file ({size:,} bytes)")
+            self.pos = pos
+            return None
+        if count > self.size - self.pos:  # each element takes a byte at least
+            raise ValueError(f"an array of {count:,} elements at offset {self.pos:,} runs past the end of the file")
+        values = [self.value(item, keep, depth + 1) for _ in range(count)]
+        return values if keep else None
+
+
+def _parse_gguf(data: mmap.mmap, n_tensors: int, n_kv: int) -> tuple[
+        str | None, dict[str, Any], list[tuple[str, int, list[int], int, int]], int, int]:
+    """The metadata and tensor infos after a GGUF's fixed header (as gguf.GGUFReader parses them,
+    values decoded only where read_gguf needs them): (architecture, shape, [(name, n_dims, dims, type,
+    offset)], alignment, data_offset). Raises ValueError on anything the reader refuses: a key twice,
+    an unknown value or tensor type, a tensor name twice, a bad general.alignment, a read past the
+    end of the file."""
+    from gguf import GGMLQuantizationType
+
+    cur = _Cursor(data)
+    architecture: str | None = None
+    alignment = _GGUF_DEFAULT_ALIGNMENT
+    shape: dict[str, Any] = {}
+    keys: set[str] = set()
+    for _ in range(n_kv):
+        key = cur.string()
+        if key in keys:
+            raise ValueError(f"metadata key {key[:80]!r} twice")
+        keys.add(key)
+        kind = cur.unpack("I")
+        wanted = key in ("general.architecture", "general.alignment") or key.split(".", 1)[-1] in SHAPE_KEYS
+        value = cur.value(kind, wanted)
+        if key == "general.architecture":
+            architecture = value if isinstance(value, str) else None
+        elif key == "general.alignment":
+            if kind != _GGUF_UINT32:
+                raise ValueError("bad type for general.alignment")
+            if value == 0 or value & (value - 1):
+                raise ValueError("invalid alignment: must be a non-zero power of two")
+            alignment = value
+        elif wanted:
+            # head_count_kv may be a per-layer array (some architectures): its largest sizes the cache
+            shape[key] = max(value) if isinstance(value, list) and value else value
+    infos, names = [], set()
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.unpack("I")
+        at = cur.take(8 * n_dims)
+        dims = list(struct.unpack_from(f"<{n_dims}Q", data, at))
+        raw_type, offset = cur.unpack("I"), cur.unpack("Q")
+        if name in names:
+            raise ValueError(f"found duplicated tensor with name {name[:80]}")
+        names.add(name)
+        GGMLQuantizationType(raw_type)  # ValueError: not a known type
+        infos.append((name, n_dims, dims, raw_type, offset))
+    data_offset = cur.pos + (-cur.pos % alignment)
+    return architecture, shape, infos, alignment, data_offset
