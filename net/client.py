@@ -110,8 +110,15 @@ class Pool:
         self.per_host = per_host
 
     def take(self, key: tuple[str, int]) -> Connection | None:
+        """An idle connection to `key`, newest first; plain ones the server closed meanwhile are
+        noticed (sockio.idle_open) and dropped before a request is sent on them."""
         conns = self.idle.get(key)
-        return conns.pop() if conns else None
+        while conns:
+            conn = conns.pop()
+            if conn.tls is not None or sockio.idle_open(conn.sock):
+                return conn
+            conn.close()
+        return None
 
     def give(self, conn: Connection) -> None:
         conns = self.idle.setdefault(conn.key, [])
@@ -173,8 +180,10 @@ class Response:
             if self._body or self._done:
                 out, self._body = b"".join(self._body), []
                 return out
+            conn = self.conn
             try:
-                more = await self.conn.receive(READ)
+                # Plain: sockio directly, no coroutine of Connection's between (the relay's hot path).
+                more = await (sockio.receive(conn.sock, READ) if conn.tls is None else conn.receive(READ))
             except (trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
                 raise ClientError(f"connection broke: {exc}", started=True) from None
             if not more:

@@ -124,6 +124,21 @@ def listen(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags (enums) each call cost more than the call
+
+
+def idle_open(sock: socket.socket) -> bool:
+    """Whether an idle kept connection is still usable: nothing to read on it (a close, or bytes
+    nobody asked for, mean it is not). Plain connections only: TLS may have records in flight."""
+    try:
+        sock.recv(1, _PEEK)
+    except BlockingIOError:
+        return True  # nothing there: open and quiet
+    except OSError:
+        pass
+    return False
+
+
 def close(sock: socket.socket) -> None:
     """Close, first waking any task trio has waiting on it (it gets ClosedResourceError)."""
     if sock.fileno() != -1:

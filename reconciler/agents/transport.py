@@ -95,7 +95,7 @@ class SocketTransport:
         keep = self._keep and request.method == "GET" and not node.tls
         if keep:
             kept = self._idle.pop(key, None)
-            if kept is not None and _open(kept):
+            if kept is not None and sockio.idle_open(kept):
                 try:
                     return await self._plain(kept, request, key, True)
                 except (OSError, NodeUnreachable):
@@ -201,21 +201,6 @@ async def _receive(sock: socket.socket, size: int) -> bytes:
         return sock.recv(size)
     except BlockingIOError:
         return await sockio.receive(sock, size)
-
-
-_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # an int: or-ing the flags (enums) each call cost more than the call
-
-
-def _open(sock: socket.socket) -> bool:
-    """Whether an idle kept connection is still usable: nothing to read on it (a close, or bytes
-    nobody asked for, mean it is not)."""
-    try:
-        sock.recv(1, _PEEK)
-    except BlockingIOError:
-        return True  # nothing there: open and quiet
-    except OSError:
-        pass
-    return False
 
 
 async def read_answer(node: NodeSpec, receive: Receive) -> tuple[int, bytes]:

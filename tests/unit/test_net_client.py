@@ -255,3 +255,22 @@ def test_an_oversized_head_is_refused() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_pooled_connection_the_server_closed_is_dropped_before_use() -> None:
+    async def main() -> None:
+        ours, theirs = socket.socketpair()
+        quiet, other = socket.socketpair()
+        sockio.prepare(ours)
+        sockio.prepare(quiet)
+        theirs.close()  # the server went away while the connection sat idle
+        pool = Pool()
+        pool.give(Connection(quiet, ("w", 1)))
+        pool.give(Connection(ours, ("w", 1)))
+        taken = pool.take(("w", 1))
+        assert taken is not None and taken.sock is quiet and ours.fileno() == -1
+        assert pool.take(("w", 1)) is None
+        sockio.close(quiet)
+        other.close()
+
+    trio.run(main)
