@@ -110,6 +110,13 @@ class Load:
                 else:
                     self.failures.append(f"{'stream' if stream else 'plain'}: {text[-400:]}")
 
+    def wait_for(self, more: int, timeout: float = 60) -> None:
+        """Until each loop has had `more` more answers, each checked whole (or has failed)."""
+        start, deadline = dict(self.ok), time.monotonic() + timeout
+        while any(self.ok[k] - start[k] < more for k in start) and not self.failures:
+            assert time.monotonic() < deadline, (start, self.ok)
+            time.sleep(0.05)
+
     def __enter__(self) -> Load:
         for t in self.threads:
             t.start()
@@ -128,10 +135,10 @@ def test_a_settings_change_replaces_one_member_at_a_time_with_no_failed_request(
     pids = {n: next(s["pid"] for s in f.states()[n]["servers"] if s["id"] == f"chat@{n}") for n in ("a", "b")}
     f.write(replicas="  tiny: [a, b]", listen=base.removeprefix("http://"), clusters=chat(f, "[a, b]", context=512))
     with Load(base) as load:
-        time.sleep(2)  # both members serve before the change
+        load.wait_for(4)  # both members serve before the change
         during = dict(load.ok)
         applied = f.run("apply", "--auto-approve")
-        time.sleep(2)  # and after it
+        load.wait_for(4)  # and after it
     assert applied.returncode == 0, applied.stdout + applied.stderr
     assert load.failures == [], load.failures[:5]
     assert during["stream"] > 0 and during["plain"] > 0
