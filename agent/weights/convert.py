@@ -36,15 +36,17 @@ def architecture(gguf_file: Path) -> str:
     if magic != GGUF_MAGIC:
         raise ConvertError("not_gguf", f"{gguf_file} is not a GGUF file (it does not start with 'GGUF')")
     try:
-        from gguf import GGUFReader
+        # headers.py's walk of the header, not gguf.GGUFReader's: transformers parses the file with
+        # the reader three more times as it loads it, SmolLM2's 3.7 CPU-s each.
+        from agent.weights.headers import gguf_architecture
 
-        field = GGUFReader(str(gguf_file)).get_field("general.architecture")
-        if field is None:
+        arch = gguf_architecture(gguf_file)
+        if arch is None:
             raise ConvertError("not_gguf", f"{gguf_file} names no architecture (general.architecture)")
-        return str(field.contents())
+        return arch
     except ConvertError:
         raise
-    except Exception as exc:  # a truncated or corrupt file: the reader's own words, in one line
+    except Exception as exc:  # a truncated or corrupt file: the parser's own words, in one line
         raise ConvertError("not_gguf", f"{gguf_file} is not a readable GGUF file: {type(exc).__name__}: "
                                        f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
 

@@ -355,3 +355,19 @@ def _parse_gguf(data: mmap.mmap, n_tensors: int, n_kv: int) -> tuple[
         infos.append((name, n_dims, dims, raw_type, offset))
     data_offset = cur.pos + (-cur.pos % alignment)
     return architecture, shape, infos, alignment, data_offset
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """A GGUF file's general.architecture (None where it names none), its header walked as
+    read_gguf walks it (what gguf.GGUFReader refuses raises ValueError) but no tensor's extent
+    checked: what `fleet-agent convert` asks before transformers loads the file."""
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if len(data) < 24 or data[:4] != b"GGUF":
+            raise ValueError("too short for a GGUF header" if data[:4] == b"GGUF" else "no GGUF magic")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+        if version not in GGUF_VERSIONS:
+            raise ValueError(f"GGUF version {version} (readable: {' and '.join(map(str, GGUF_VERSIONS))})")
+        if n_tensors > MAX_TENSORS or n_kv > MAX_GGUF_KV:
+            raise ValueError(f"it claims {n_tensors:,} tensors and {n_kv:,} metadata keys "
+                             f"(at most {MAX_TENSORS:,} and {MAX_GGUF_KV:,})")
+        return _parse_gguf(data, n_tensors, n_kv)[0]
