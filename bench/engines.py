@@ -47,7 +47,7 @@ process): a target above that ceiling cannot be met by scheduling. Every prompt 
 the topic), so that a cache holds only what users' prompts share: the chat template's opening.
 
     .venv/bin/python bench/engines.py [--engines torch,llama_cpp_ni] [--threads 1 (0: default)] [--tokens 32]
-        [--requests 3] [--streams 8] [--procs 2] [--rounds 2]
+        [--requests 3] [--streams 8] [--procs 2] [--rounds 2] [--client httpx|openai]
 """
 
 from __future__ import annotations
@@ -253,7 +253,12 @@ def content(topic: str) -> str:
     return f"Write a long story about {topic}, number {next(SERIAL)}."
 
 
+CLIENT = {"name": "httpx"}  # --client: "openai" streams through the openai package instead
+
+
 def ask(client: httpx.Client, url: str, topic: str, tokens: int, model: str = "m") -> Result:
+    if CLIENT["name"] == "openai":
+        return ask_openai(url, topic, tokens, model)
     body = {"model": model, "messages": [{"role": "user", "content": content(topic)}],
             "max_tokens": tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -273,6 +278,35 @@ def ask(client: httpx.Client, url: str, topic: str, tokens: int, model: str = "m
                         times.append(time.perf_counter())
                     finish = c.get("finish_reason") or finish
     except httpx.HTTPError:  # a stream the engine broke off counts as cut, with what it delivered
+        finish = "broken"
+    ttft = (times[0] if times else time.perf_counter()) - t0
+    return Result(ttft, usage if usage is not None else len(times), finish, t0, tuple(times))
+
+
+_openai: dict[str, Any] = {}  # one openai client per base URL (each keeps its own connection pool)
+
+
+def ask_openai(url: str, topic: str, tokens: int, model: str) -> Result:
+    """As ask, through the openai package's streaming chat completions (what a user's code does)."""
+    import openai
+
+    client = _openai.get(url)
+    if client is None:
+        client = _openai[url] = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    t0 = time.perf_counter()
+    times: list[float] = []
+    usage, finish = None, None
+    try:
+        for chunk in client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": content(topic)}], max_tokens=tokens,
+                temperature=0, stream=True, stream_options={"include_usage": True}):
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+            for c in chunk.choices:
+                if c.delta.content:
+                    times.append(time.perf_counter())
+                finish = c.finish_reason or finish
+    except openai.APIError:  # a stream the engine broke off counts as cut, with what it delivered
         finish = "broken"
     ttft = (times[0] if times else time.perf_counter()) - t0
     return Result(ttft, usage if usage is not None else len(times), finish, t0, tuple(times))
@@ -443,7 +477,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--procs", type=int, default=2, help="processes for llama_cpp_xN")
+    ap.add_argument("--client", choices=("httpx", "openai"), default="httpx",
+                    help="how the streams ask: httpx's line iterator (lean), or the openai package as users do")
     args = ap.parse_args()
+    CLIENT["name"] = args.client
     from agent.backends.llama_cpp import spec as llama_spec
     from agent.backends.torch import spec as torch_spec
 
