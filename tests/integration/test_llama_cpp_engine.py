@@ -6,6 +6,7 @@ that the rows stay one run of consecutive sequences while requests end and come 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -106,6 +107,7 @@ def test_a_newcomer_stops_the_rows_decode_and_the_rows_answer_as_they_would_have
             engine.submit(newcomer)  # comes while the rows' decode runs
         return decode(items, abortable)
     engine._decode = arriving  # type: ignore[method-assign]
+    engine._rows_s = 60.0  # as if a step of rows took a minute: the newcomer comes in its first half
     engine._once()
     assert engine.aborted == 1 and row.made == made, "the rows' decode ran to its end"
     engine._once()  # the newcomer's prompt first (its first token), then the rows with it
@@ -118,17 +120,19 @@ def test_a_newcomer_stops_the_rows_decode_and_the_rows_answer_as_they_would_have
     assert (engine.stats()["drafted"] > 0) == drafts
 
 
-def test_no_newcomer_or_no_free_sequence_stops_nothing(model: Model) -> None:
+def test_no_newcomer_or_no_free_sequence_or_a_late_one_stops_nothing(model: Model) -> None:
     engine = fresh(model)
-    engine._abortable = True
+    engine._abort_until = time.perf_counter() + 60  # a step of rows alone, in its first half
     assert not engine._abort_wanted(None)  # nothing arrived
     engine._arrivals.put(_job([1, 2], 2))
     assert engine._abort_wanted(None)
     engine._free = []
     assert not engine._abort_wanted(None)  # it would only wait for a sequence
     engine._free = [0]
-    engine._abortable = False
-    assert not engine._abort_wanted(None)  # a prompt's decode is never stopped
+    engine._abort_until = time.perf_counter() - 0.001
+    assert not engine._abort_wanted(None)  # the step is past its first half: it finishes
+    engine._abort_until = 0.0
+    assert not engine._abort_wanted(None)  # a prompt's decode (or a step with one) is never stopped
 
 
 def test_a_step_takes_more_prompts_only_within_the_time_of_a_step_of_rows(model: Model) -> None:

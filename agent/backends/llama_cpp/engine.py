@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import heapq
+import math
 import os
 import secrets
 import sys
@@ -240,7 +241,9 @@ class Engine:
         self.prefix_hits = 0
         self.prefix_hit_tokens = 0
         self.aborted = 0  # the rows' decodes abandoned for a newcomer's prompt (see _step)
-        self._abortable = False  # set while a step of rows alone runs: a newcomer may stop it
+        # While a step of rows alone runs: until when a newcomer may stop it (its first half, by the
+        # last step's time: past it, finishing costs the newcomer less than stopping costs the rows).
+        self._abort_until = 0.0
         self._rows_s = 0.0  # the last step of rows, in seconds (what more prompts in a step may take)
         self._prompt_s_per_token = 0.0  # the last prompt chunk's seconds per token
         # llama.cpp asks this after each node of the graph it computes (a few hundred times a
@@ -274,8 +277,9 @@ class Engine:
 
     def _abort_wanted(self, _data: object) -> bool:
         """llama.cpp's abort callback (the engine thread, inside llama_decode): stop a step of rows
-        alone when a request has come that a free sequence can take."""
-        return self._abortable and bool(self._free) and self._arrivals.pending() > 0
+        alone in its first half when a request has come that a free sequence can take."""
+        return (self._abort_until > 0 and self._arrivals.pending() > 0 and bool(self._free)
+                and time.perf_counter() < self._abort_until)
 
     # The engine thread.
 
@@ -472,11 +476,12 @@ class Engine:
         for i, (token, pos, seq, out) in enumerate(items):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, out
             b.seq_id[i][0] = seq
-        self._abortable = abortable
+        if abortable:
+            self._abort_until = time.perf_counter() + (self._rows_s / 2 if self._rows_s else math.inf)
         try:
             rc = L.llama_decode(self.m.ctx, b)
         finally:
-            self._abortable = False
+            self._abort_until = 0.0
         if rc == ABORTED and abortable:
             return False
         if rc != 0:
