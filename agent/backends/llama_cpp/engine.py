@@ -373,11 +373,11 @@ class Engine:
         several prompts do (a GPU, whose step hardly grows with its rows), a step takes several,
         and a burst's last first token does not wait for a step of rows between each two.
 
-        And a newcomer does not wait for a step of rows alone: one that arrives while it runs stops
-        it (llama.cpp's abort callback, checked between the graph's nodes), its cells are removed
-        and the rows go again after the newcomer's prompt. A request mostly arrives just after a
-        step began (its client's previous answer ended with the step before), so what is thrown
-        away is a few milliseconds of a ~100 ms step; without it, a request that ended one step
+        And a newcomer does not wait for a step of rows alone: one that arrives in its first half
+        stops it (llama.cpp's abort callback, checked between the graph's nodes), its cells are
+        removed and the rows go again after the newcomer's prompt. A request mostly arrives just
+        after a step began (its client's previous answer ended with the step before), so what is
+        thrown away is a few milliseconds of a ~100 ms step; without it, a request that ended one step
         after another's came back while the other's prompt ran and waited for it, every round.
         The rows that follow prompts in their step are not stopped: the rows would lose the step
         that the prompts' rows take, and rows that lose a step with a newcomer end with it (the
