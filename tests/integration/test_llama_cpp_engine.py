@@ -120,6 +120,30 @@ def test_a_newcomer_stops_the_rows_decode_and_the_rows_answer_as_they_would_have
     assert (engine.stats()["drafted"] > 0) == drafts
 
 
+def test_requests_that_come_and_go_at_once_do_not_stop_the_rows_for_good(model: Model) -> None:
+    """A client that sends a request during each step of rows and leaves before the engine looks
+    at it: each one stops a step, the next step of rows is not stopped, so the rows go on."""
+    engine = fresh(model)
+    row = _job([1, 2, 3, 4, 5], 40)
+    engine.submit(row)
+    engine._once()
+    decode = engine._decode
+
+    def arriving(items: list[tuple[int, int, int, bool]], abortable: bool = False) -> bool:
+        if abortable:
+            gone = _job([7, 8, 9], 6)
+            engine.submit(gone)
+            gone.cancel()
+        return decode(items, abortable)
+    engine._decode = arriving  # type: ignore[method-assign]
+    engine._rows_s = 60.0  # every arrival in a step's first half
+    made = row.made
+    for _ in range(20):
+        engine._once()
+        engine._rows_s = 60.0
+    assert engine.aborted == 10 and row.made == made + 10
+
+
 def test_no_newcomer_or_no_free_sequence_or_a_late_one_stops_nothing(model: Model) -> None:
     engine = fresh(model)
     engine._abort_until = time.perf_counter() + 60  # a step of rows alone, in its first half

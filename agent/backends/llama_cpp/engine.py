@@ -244,13 +244,15 @@ class Engine:
         # While a step of rows alone runs: until when a newcomer may stop it (its first half, by the
         # last step's time: past it, finishing costs the newcomer less than stopping costs the rows).
         self._abort_until = 0.0
+        self._stopped = False  # the last step of rows was stopped: the next one is not
         self._rows_s = 0.0  # the last step of rows, in seconds (what more prompts in a step may take)
         self._prompt_s_per_token = 0.0  # the last prompt chunk's seconds per token
         # llama.cpp asks this after each node of the graph it computes (a few hundred times a
         # decode): a Python callback, under the GIL for a moment each time; alternated with none in
         # one process, a step of 7 rows cost the same within the machine's noise (~90-110 ms).
-        model.abort_check = L.ggml_abort_callback(self._abort_wanted)  # alive as long as the context
-        L.llama_set_abort_callback(model.ctx, model.abort_check, None)
+        check = L.ggml_abort_callback(self._abort_wanted)
+        L.llama_set_abort_callback(model.ctx, check, None)
+        model.abort_check = check  # alive as long as the context (after it is set: the one before is freed)
         self._cache_seq = model.parallel if model.prefix_cache else -1
         self._cached: list[int] = []  # the prompt the cache sequence holds
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -438,7 +440,10 @@ class Engine:
                 first[job] = len(items)
                 items += [(t, job.pos + k, job.seq, True) for k, t in enumerate([job.next_token, *draft])]
             t0 = time.perf_counter()
-            if self._decode(items, abortable=not filled):
+            # Not right after a stop either: a request that came and went before its step (its client
+            # left at once) would stop the steps of rows again and again, and none would end.
+            stepped = self._decode(items, abortable=not filled and not self._stopped)
+            if stepped:
                 self._rows_s = time.perf_counter() - t0
                 for job, draft in rows:
                     self._advance(job, first[job], draft)
@@ -448,6 +453,7 @@ class Engine:
                 for job, _ in rows:
                     L.llama_memory_seq_rm(self.m.memory, job.seq, job.pos, -1)
                 self.aborted += 1
+            self._stopped = not stepped
         c2 = time.process_time()
         self.prefill_cpu_s += c1 - c0
         self.decode_cpu_s += c2 - c1
