@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol, Sequence
@@ -224,9 +225,33 @@ class Response:
             return taken
         try:
             if self.conn.tls is None and left > BULK:
-                # abandon_on_cancel: a caller shutting down does not wait for the transfer to end.
-                got: int = await trio.to_thread.run_sync(receive_blocking, self.conn.sock.fileno(), left, on_data,
-                                                         patience, taken, self.peer, abandon_on_cancel=True)
+                # The thread gets a duplicate descriptor of its own, made here: made in the thread, a
+                # caller cancelled before it ran would close the connection's number, which anything
+                # opened meanwhile may take. abandon_on_cancel: a caller shutting down does not wait
+                # for the transfer to end; the connection is shut down under the thread, whose read
+                # then ends at once (else it would read on, up to `patience` from a silent peer).
+                own = socket.socket(fileno=os.dup(self.conn.sock.fileno()))
+                hand_over = threading.Lock()
+                state = {"started": False, "abandoned": False}
+
+                def receive() -> int:
+                    with hand_over:
+                        if state["abandoned"]:
+                            return 0
+                        state["started"] = True
+                    return receive_blocking(own, left, on_data, patience, taken, self.peer)
+                try:
+                    got: int = await trio.to_thread.run_sync(receive, abandon_on_cancel=True, limiter=_bulk_threads())
+                except trio.Cancelled:
+                    with hand_over:
+                        state["abandoned"] = True
+                        if not state["started"]:
+                            own.close()  # the thread never ran (or will find it abandoned)
+                    try:
+                        self.conn.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    raise
                 return taken + got
             floor = Floor(left, patience, trio.current_time)
             while floor.have < floor.want:
@@ -249,6 +274,10 @@ class Response:
             return
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:  # not an HttpParserError: a 101, or an Upgrade answered
+            self.reusable = False
+            raise ClientError(f"{self.peer} switched protocols ({self.status}), which fleet does not speak",
+                              started=True) from exc
         except httptools.HttpParserError as exc:
             if self._complete:  # the answer ended and more came after it
                 self.reusable = False
@@ -310,14 +339,29 @@ def _stalled(floor: Floor, before: int, peer: str) -> Stalled:
                    "bytes so far)", floor, before)
 
 
-def receive_blocking(fd: int, want: int, on_data: Callable[[bytes | bytearray | memoryview], None],
+_BULK_THREADS = trio.lowlevel.RunVar[trio.CapacityLimiter]("bulk_threads")
+BULK_THREADS = 32  # bulk receives at once; apart from trio's default limiter, which they would hold
+
+
+def _bulk_threads() -> trio.CapacityLimiter:
+    """The bulk receives' own limiter: a peer trickling just above its floor holds a thread for
+    hours, and 40 of them on trio's default limiter stopped every other `to_thread` of the agent
+    (opening parts, hashing, installing)."""
+    try:
+        return _BULK_THREADS.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(BULK_THREADS)
+        _BULK_THREADS.set(limiter)
+        return limiter
+
+
+def receive_blocking(sock: socket.socket, want: int, on_data: Callable[[bytes | bytearray | memoryview], None],
                      patience: float, before: int = 0, peer: str = "the server") -> int:
-    """Receive up to `want` bytes on a duplicate of `fd`, blocking (run it in a worker thread);
-    returns how many arrived. Through trio's non-blocking recv the same loop ran about 20% slower
+    """Receive up to `want` bytes on `sock`, blocking (run it in a worker thread), and close it;
+    returns how many arrived. `sock` is a duplicate of the connection's descriptor (closing it
+    leaves the connection open; both share O_NONBLOCK, which Python's timeout mode expects anyway:
+    it polls, then reads). Through trio's non-blocking recv the same loop ran about 20% slower
     (smaller reads, an event-loop pass per read): bench/replication, bench/fanout."""
-    # A duplicate descriptor: closing it leaves the connection's socket open. Both share
-    # O_NONBLOCK, which Python's timeout mode expects anyway (it polls, then reads).
-    sock = socket.socket(fileno=os.dup(fd))
     floor = Floor(want, patience, time.monotonic)
     try:
         view = memoryview(bytearray(BLOCK))
@@ -445,7 +489,9 @@ async def request(method: str, host: str, port: int, target: str, *, body: bytes
             return await send(pooled, method, target, body=body, headers=headers, pool=pool, peer=peer,
                               max_head=max_head)
         except ClientError as exc:
-            if exc.started:
+            # Sent again only where the kept connection had gone (closed, reset): not where the
+            # server answered, however badly (a POST it took must not be sent twice).
+            if exc.started or isinstance(exc.__cause__, (HeadError, httptools.HttpParserError)):
                 raise
     conn = await connect(host, port, tls=tls, timeout=connect_timeout)
     return await send(conn, method, target, body=body, headers=headers, pool=pool, peer=peer, max_head=max_head)
@@ -459,14 +505,21 @@ async def send(conn: Connection, method: str, target: str, *, body: bytes = b"",
     host, port = conn.key
     try:
         await conn.send(encode(method, host, port, target, body, headers, pool is not None))
-        buf = b""
-        while (split := split_head(buf, max_head)) is None:
+        buf = bytearray()
+        while True:
             more = await conn.receive(READ)
             if not more:
                 raise Closed(f"{host}:{port} closed the connection without answering", started=False)
+            seen = max(0, len(buf) - 3)  # the head's end may straddle the reads
             buf += more
+            # split_head only once the head's end has come (or the bound is passed): a head that came
+            # a byte a read cost a search of the whole of it each read (1.4 CPU-s for 64 KiB).
+            if buf.find(b"\r\n\r\n", seen) >= 0 or len(buf) > max_head + 3:
+                split = split_head(bytes(buf), max_head)
+                if split is not None:
+                    break
         head, _ = split
-        return Response(conn, head.status, head.headers, buf, pool, peer)
+        return Response(conn, head.status, head.headers, bytes(buf), pool, peer)
     except (trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
         conn.close()
         raise ClientError(f"{host}:{port}: {exc}", started=False) from exc

@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from net import sockio
-from net.client import ClientError, Connection, Pool, Response, fetch, get, request
+from net.client import ClientError, Connection, Pool, Response, fetch, get, request, send
 
 EVENTS = [b"data: {\"a\": 1}\n\n", b"data: {\"b\": 22}\n\n", b"x" * 300, b"data: [DONE]\n\n"]
 CHUNKED = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) for e in EVENTS) + b"0\r\n\r\n"
@@ -273,5 +273,106 @@ def test_a_pooled_connection_the_server_closed_is_dropped_before_use() -> None:
         assert pool.take(("w", 1)) is None
         sockio.close(quiet)
         other.close()
+
+    trio.run(main)
+
+
+def test_an_answer_that_switches_protocols_is_a_client_error() -> None:
+    """A 101 (or an Upgrade answered) is httptools' HttpParserUpgrade, no HttpParserError: it left
+    the client as itself and stopped whatever called it (an agent's health check)."""
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(serve_once(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n"
+                                                       b"Connection: upgrade\r\n\r\nwhatever"))
+            with pytest.raises(ClientError, match="switched protocols"):
+                await fetch("GET", "127.0.0.1", listeners[0].socket.getsockname()[1], "/health")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_head_that_comes_a_byte_at_a_time_is_read() -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-a: b\r\n\r\n"
+
+    async def main() -> None:
+        ours, theirs = socket.socketpair()
+        sockio.prepare(ours)
+        try:
+            async with trio.open_nursery() as nursery:
+                async def worker() -> None:
+                    for i in range(len(head)):
+                        await trio.testing.wait_all_tasks_blocked()  # each byte read on its own
+                        theirs.sendall(head[i:i + 1])
+                    theirs.sendall(b"ok")
+                nursery.start_soon(worker)
+                r = await send(Connection(ours, ("127.0.0.1", 1)), "GET", "/", peer="the worker")
+                assert (r.status, r.headers["x-a"], await r.whole()) == (200, "b", b"ok")
+        finally:
+            theirs.close()
+            sockio.close(ours)
+
+    trio.run(main)
+
+
+def test_a_malformed_answer_on_a_kept_connection_is_not_sent_again() -> None:
+    """Only a kept connection that had gone (closed, reset) is tried again on a fresh one: a server
+    that answered, however badly, took the request."""
+    asked: list[bytes] = []
+    answers = iter([b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", b"HTTP/1.1 200 OK\r\ncontent-length: 2x\r\n\r\nok"])
+
+    async def main() -> None:
+        async def handler(stream: trio.SocketStream) -> None:
+            async with stream:
+                while data := await stream.receive_some(65536):
+                    asked.append(data)
+                    await stream.send_all(next(answers, b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"))
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+            port, pool = listeners[0].socket.getsockname()[1], Pool()
+            assert (await fetch("POST", "127.0.0.1", port, "/", body=b"{}", pool=pool)).content == b"ok"
+            with pytest.raises(ClientError, match="malformed Content-Length"):
+                await fetch("POST", "127.0.0.1", port, "/", body=b"{}", pool=pool)
+            pool.close()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert len(asked) == 2
+
+
+def test_a_cancelled_bulk_body_stops_its_thread_at_once() -> None:
+    """A body over BULK goes to a blocking receive in a thread, on a descriptor of its own; the
+    caller cancelled, the connection is shut down under it: nothing more reaches the sink, and the
+    thread ends and closes its descriptor (not up to `patience` later)."""
+    import os
+
+    from net.client import BULK
+
+    seen: list[int] = []
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def main() -> None:
+        async def handler(stream: trio.SocketStream) -> None:
+            async with stream:
+                await stream.receive_some(65536)
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (BULK * 8))
+                await stream.send_all(b"x" * (1 << 20))
+                await trio.sleep_forever()  # a peer gone quiet, the connection open
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+            r = await request("GET", "127.0.0.1", listeners[0].socket.getsockname()[1], "/blob")
+            before = descriptors()
+            with trio.move_on_after(1.0):
+                await r.into(lambda data: seen.append(len(data)), patience=60)
+            got = sum(seen)
+            deadline = trio.current_time() + 5
+            while descriptors() > before and trio.current_time() < deadline:
+                await trio.sleep(0.02)
+            assert descriptors() <= before, "the receiving thread still holds its descriptor"
+            await trio.sleep(0.2)
+            assert sum(seen) == got == 1 << 20
+            r.close()
+            nursery.cancel_scope.cancel()
 
     trio.run(main)
