@@ -103,12 +103,14 @@ class Connection:
 
 
 class Pool:
-    """Idle keep-alive connections per host:port, at most `per_host` of each: a new TCP connection
+    """Idle keep-alive connections per host:port, at most `per_host` of each and `most` in all (what
+    a server's reserve of descriptors counts on: reconciler/serve/front.py): a new TCP connection
     for every request added a connection set-up in the server to every time-to-first-byte."""
 
-    def __init__(self, per_host: int = 16) -> None:
+    def __init__(self, per_host: int = 16, most: int = 100) -> None:
         self.idle: dict[tuple[str, int], list[Connection]] = {}
-        self.per_host = per_host
+        self.per_host, self.most = per_host, most
+        self.count = 0  # idle connections in all
 
     def take(self, key: tuple[str, int]) -> Connection | None:
         """An idle connection to `key`, newest first; plain ones the server closed meanwhile are
@@ -116,6 +118,9 @@ class Pool:
         conns = self.idle.get(key)
         while conns:
             conn = conns.pop()
+            self.count -= 1
+            if not conns:
+                del self.idle[key]  # a worker gone for good leaves no entry behind
             if conn.tls is not None or sockio.idle_open(conn.sock):
                 return conn
             conn.close()
@@ -123,9 +128,12 @@ class Pool:
 
     def give(self, conn: Connection) -> None:
         conns = self.idle.setdefault(conn.key, [])
-        if len(conns) < self.per_host:
+        if len(conns) < self.per_host and self.count < self.most:
             conns.append(conn)
+            self.count += 1
         else:
+            if not conns:
+                del self.idle[conn.key]
             conn.close()
 
     def close(self) -> None:
@@ -133,6 +141,7 @@ class Pool:
             for conn in conns:
                 conn.close()
         self.idle.clear()
+        self.count = 0
 
 
 class Response:

@@ -376,3 +376,20 @@ def test_a_cancelled_bulk_body_stops_its_thread_at_once() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_the_pool_keeps_at_most_its_count_in_all() -> None:
+    async def main() -> None:
+        pool = Pool(per_host=2, most=3)
+        made: list[socket.socket] = []
+        for port in (1, 1, 1, 2, 2):
+            ours, theirs = socket.socketpair()
+            made += [ours, theirs]
+            pool.give(Connection(ours, ("h", port)))
+        assert [len(v) for v in pool.idle.values()] == [2, 1] and pool.count == 3
+        assert sum(s.fileno() == -1 for s in made[::2]) == 2  # the third to port 1, the second to port 2: closed
+        pool.close()
+        for s in made:
+            s.close()
+
+    trio.run(main)
