@@ -252,6 +252,7 @@ def read_gguf(path: Path, size: int) -> dict[str, Any]:
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
 _GGUF_MAX_NESTING = 8  # an array of arrays of ...: no real file nests at all
+_GGUF_MAX_KEPT = 65_536  # elements of an array read_gguf decodes (per-layer values: one per layer)
 _GGUF_DEFAULT_ALIGNMENT = 32
 
 
@@ -288,6 +289,8 @@ class _Cursor:
         if depth >= _GGUF_MAX_NESTING:
             raise ValueError(f"arrays nested more than {_GGUF_MAX_NESTING} deep")
         item, count = self.unpack("I"), self.unpack("Q")
+        if keep and count > _GGUF_MAX_KEPT:  # a value fleet reads (a per-layer count): never a file's worth
+            raise ValueError(f"an array of {count:,} values where at most {_GGUF_MAX_KEPT:,} are read")
         if item in _GGUF_SCALARS:  # one read for the whole array
             fmt = _GGUF_SCALARS[item]
             at = self.take(count * struct.calcsize(fmt))
@@ -345,6 +348,8 @@ def _parse_gguf(data: mmap.mmap, n_tensors: int, n_kv: int) -> tuple[
     for _ in range(n_tensors):
         name = cur.string()
         n_dims = cur.unpack("I")
+        if n_dims > GGUF_MAX_DIMS:  # before its dimensions are read: a claim is not a list to build
+            raise ValueError(f"tensor {name[:80]!r} has {n_dims:,} dimensions (at most {GGUF_MAX_DIMS})")
         at = cur.take(8 * n_dims)
         dims = list(struct.unpack_from(f"<{n_dims}Q", data, at))
         raw_type, offset = cur.unpack("I"), cur.unpack("Q")

@@ -139,3 +139,20 @@ def test_a_tensor_or_a_key_twice_is_refused(files: dict[str, Path], tmp_path: Pa
     with pytest.raises(ValueError, match=words):
         ours(twice)
     assert outcome(theirs, twice) == "refused"
+
+
+def test_a_value_read_as_a_file_sized_array_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    """llama.block_count (read, for the KV cache) as an array of a million values: refused by its
+    count, not turned into a list as large as the file."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "big.gguf"), "llama")
+    w.add_array("llama.block_count", [1] * 1_000_000)
+    w.add_tensor("a", np.zeros(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    path = tmp_path / "big.gguf"
+    with pytest.raises(HeaderError, match="at most 65,536 are read"):
+        read_gguf(path, path.stat().st_size)
