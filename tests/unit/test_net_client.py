@@ -393,3 +393,33 @@ def test_the_pool_keeps_at_most_its_count_in_all() -> None:
             s.close()
 
     trio.run(main)
+
+
+def test_a_kept_connection_that_closes_unanswered_is_tried_again_on_a_fresh_one() -> None:
+    """A kept connection that looked open (idle_open) but closed at the request, unanswered: sent
+    once more on a fresh connection (the request was not taken)."""
+    asked: list[int] = []
+
+    async def main() -> None:
+        connections = 0
+
+        async def handler(stream: trio.SocketStream) -> None:
+            nonlocal connections
+            connections += 1
+            mine = connections
+            async with stream:
+                while await stream.receive_some(65536):
+                    asked.append(mine)
+                    if mine == 1 and len(asked) == 2:
+                        return  # the second request on the first connection: closed, unanswered
+                    await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+            port, pool = listeners[0].socket.getsockname()[1], Pool()
+            for _ in range(2):
+                assert (await fetch("POST", "127.0.0.1", port, "/", body=b"{}", pool=pool)).content == b"ok"
+            pool.close()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert asked == [1, 1, 2]
