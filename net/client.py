@@ -36,6 +36,7 @@ from net import sockio
 from net.tls import client_context
 
 READ = 64 * 1024
+MAX_INTERIM = 8  # interim answers (100 Continue, 103 Early Hints) taken before an answer
 CONNECT_TIMEOUT = 5.0
 WHOLE_LIMIT = 64 << 20  # a whole answer larger than this is refused, not buffered (fetch's default)
 # Bulk bodies (Response.into): read this much at a time on the event loop; bodies larger than BULK
@@ -514,20 +515,29 @@ async def send(conn: Connection, method: str, target: str, *, body: bytes = b"",
     host, port = conn.key
     try:
         await conn.send(encode(method, host, port, target, body, headers, pool is not None))
-        buf = bytearray()
+        buf, seen, interim = bytearray(), 0, 0
         while True:
-            more = await conn.receive(READ)
-            if not more:
-                raise Closed(f"{host}:{port} closed the connection without answering", started=False)
-            seen = max(0, len(buf) - 3)  # the head's end may straddle the reads
-            buf += more
             # split_head only once the head's end has come (or the bound is passed): a head that came
             # a byte a read cost a search of the whole of it each read (1.4 CPU-s for 64 KiB).
-            if buf.find(b"\r\n\r\n", seen) >= 0 or len(buf) > max_head + 3:
-                split = split_head(bytes(buf), max_head)
-                if split is not None:
-                    break
-        head, _ = split
+            if buf.find(b"\r\n\r\n", seen) < 0:
+                if len(buf) > max_head + 3:
+                    split_head(bytes(buf), max_head)  # HeadTooLarge
+                more = await conn.receive(READ)
+                if not more:
+                    raise Closed(f"{host}:{port} closed the connection without answering", started=False)
+                seen = max(0, len(buf) - 3)  # the head's end may straddle the reads
+                buf += more
+                continue
+            split = split_head(bytes(buf), max_head)
+            assert split is not None  # its end has come
+            head, rest = split
+            if 100 <= head.status < 200 and head.status != 101:  # an interim answer: the answer follows
+                interim += 1
+                if interim > MAX_INTERIM:
+                    raise ClientError(f"{host}:{port} sent {interim} interim answers and no answer", started=True)
+                buf, seen = bytearray(rest), 0
+                continue
+            break
         return Response(conn, head.status, head.headers, bytes(buf), pool, peer)
     except (trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
         conn.close()

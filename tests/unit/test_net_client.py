@@ -423,3 +423,24 @@ def test_a_kept_connection_that_closes_unanswered_is_tried_again_on_a_fresh_one(
 
     trio.run(main)
     assert asked == [1, 1, 2]
+
+
+@pytest.mark.parametrize("interim, answered", [(1, True), (8, True), (9, False)])
+def test_interim_answers_are_passed_over_up_to_a_bound(interim: int, answered: bool) -> None:
+    """A 100 Continue (or 103) before the answer was taken as the answer, the real one's bytes as
+    its body; now passed over, at most MAX_INTERIM of them."""
+    answer = b"HTTP/1.1 100 Continue\r\n\r\n" * interim + b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(serve_once(answer))
+            port = listeners[0].socket.getsockname()[1]
+            if answered:
+                whole = await fetch("GET", "127.0.0.1", port, "/")
+                assert (whole.status, whole.content) == (200, b"ok")
+            else:
+                with pytest.raises(ClientError, match="interim answers"):
+                    await fetch("GET", "127.0.0.1", port, "/")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
