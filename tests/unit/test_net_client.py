@@ -371,7 +371,7 @@ def test_a_cancelled_bulk_body_stops_its_thread_at_once() -> None:
                 await trio.sleep(0.02)
             assert descriptors() <= before, "the receiving thread still holds its descriptor"
             await trio.sleep(0.2)
-            assert sum(seen) == got == 1 << 20
+            assert sum(seen) == got > 0  # what came before the cancel, nothing after
             r.close()
             nursery.cancel_scope.cancel()
 
