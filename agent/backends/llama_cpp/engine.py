@@ -232,7 +232,7 @@ class Engine:
         self.widest = 0
         self.set_aside = 0
         self.freed = 0  # sequences given back (their cells removed)
-        self.prefills = 0  # steps that carried prompt tokens
+        self.prefills = 0  # prompt chunks computed (each a llama_decode of its own)
         self.prefill_tokens = 0
         self.prefill_cpu_s = 0.0  # the process's CPU seconds in steps, shared out by their tokens
         self.decode_cpu_s = 0.0
