@@ -327,36 +327,30 @@ class Router:
                 failures.append(f"{node}: draining for an apply")
                 continue
             self.outstanding[sid] = self.outstanding.get(sid, 0) + 1
-            if stream:
-                try:
-                    with trio.fail_after(self.timeout):
-                        upstream_response = await self.open_stream(node, sid, cluster.port, path, raw)
-                except trio.TooSlowError:
-                    failure = f"no answer within {self.timeout:g}s"
-                except client.ClientError as exc:
-                    failure = str(exc)
-                else:
-                    return RelayStream(self, upstream_response, self.scrubber(cluster, node), node, sid)
-                # Nothing reached the client yet: the next member may answer.
-                self.outstanding[sid] -= 1
-                failures.append(f"{node}: {failure}")
-                log.warning("cluster %s: the member on %s did not answer: %s", cluster.name, node, failure)
-                continue
+            streaming = False  # a stream that started keeps its member counted until it ends (RelayStream)
             try:
                 with trio.fail_after(self.timeout):
-                    response = await self.post_whole(node, sid, cluster.port, path, raw)
+                    if stream:
+                        upstream_response = await self.open_stream(node, sid, cluster.port, path, raw)
+                    else:
+                        response = await self.post_whole(node, sid, cluster.port, path, raw)
             except trio.TooSlowError:
                 failure = f"no answer within {self.timeout:g}s"
             except client.ClientError as exc:
                 failure = str(exc)
             else:
+                if stream:
+                    streaming = True
+                    return RelayStream(self, upstream_response, self.scrubber(cluster, node), node, sid)
                 scrub = self.scrubber(cluster, node)
                 content = scrub.feed(response.content) + scrub.flush()
                 self.metrics.relay_bytes.inc(len(content))
                 return Response(content, status_code=response.status,
                                 media_type=response.headers.get("content-type", "application/json"))
             finally:
-                self.outstanding[sid] -= 1
+                if not streaming:
+                    self.outstanding[sid] -= 1
+            # Nothing reached the client yet: the next member may answer.
             failures.append(f"{node}: {failure}")
             log.warning("cluster %s: the member on %s did not answer: %s", cluster.name, node, failure)
         message = f"no member of {cluster.name!r} answered: " + "; ".join(failures)
