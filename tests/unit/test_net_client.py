@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import socket
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import pytest
 import trio
@@ -198,6 +198,17 @@ def serve_once(answer: bytes, asked: list[bytes] | None = None) -> Any:
     return functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1")
 
 
+def against(answer: bytes, check: Callable[[int], Awaitable[None]]) -> None:
+    """Run `check(port)` with serve_once(answer) listening on that loopback port."""
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(serve_once(answer))
+            await check(listeners[0].socket.getsockname()[1])
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_fetch_reads_a_whole_answer_and_pools_its_connection() -> None:
     asked: list[bytes] = []
 
@@ -223,14 +234,11 @@ def test_fetch_reads_a_whole_answer_and_pools_its_connection() -> None:
                                     b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nb\r\nhello world\r\n0\r\n\r\n"],
                          ids=["content-length", "chunked"])
 def test_a_whole_answer_over_its_bound_is_refused(answer: bytes) -> None:
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(serve_once(answer))
-            with pytest.raises(ClientError, match="over 10"):
-                await fetch("GET", "127.0.0.1", listeners[0].socket.getsockname()[1], "/", limit=10)
-            nursery.cancel_scope.cancel()
+    async def check(port: int) -> None:
+        with pytest.raises(ClientError, match="over 10"):
+            await fetch("GET", "127.0.0.1", port, "/", limit=10)
 
-    trio.run(main)
+    against(answer, check)
 
 
 def test_get_takes_a_url_and_a_refused_connection_is_a_client_error() -> None:
@@ -248,14 +256,11 @@ def test_get_takes_a_url_and_a_refused_connection_is_a_client_error() -> None:
 
 
 def test_an_oversized_head_is_refused() -> None:
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(serve_once(b"HTTP/1.1 200 OK\r\nx: " + b"y" * 2000 + b"\r\n\r\n"))
-            with pytest.raises(ClientError, match="oversized response head"):
-                await request("GET", "127.0.0.1", listeners[0].socket.getsockname()[1], "/", max_head=1024)
-            nursery.cancel_scope.cancel()
+    async def check(port: int) -> None:
+        with pytest.raises(ClientError, match="oversized response head"):
+            await request("GET", "127.0.0.1", port, "/", max_head=1024)
 
-    trio.run(main)
+    against(b"HTTP/1.1 200 OK\r\nx: " + b"y" * 2000 + b"\r\n\r\n", check)
 
 
 def test_a_pooled_connection_the_server_closed_is_dropped_before_use() -> None:
@@ -280,15 +285,11 @@ def test_a_pooled_connection_the_server_closed_is_dropped_before_use() -> None:
 def test_an_answer_that_switches_protocols_is_a_client_error() -> None:
     """A 101 (or an Upgrade answered) is httptools' HttpParserUpgrade, no HttpParserError: it left
     the client as itself and stopped whatever called it (an agent's health check)."""
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(serve_once(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n"
-                                                       b"Connection: upgrade\r\n\r\nwhatever"))
-            with pytest.raises(ClientError, match="switched protocols"):
-                await fetch("GET", "127.0.0.1", listeners[0].socket.getsockname()[1], "/health")
-            nursery.cancel_scope.cancel()
+    async def check(port: int) -> None:
+        with pytest.raises(ClientError, match="switched protocols"):
+            await fetch("GET", "127.0.0.1", port, "/health")
 
-    trio.run(main)
+    against(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\nwhatever", check)
 
 
 def test_a_head_that_comes_a_byte_at_a_time_is_read() -> None:
@@ -431,16 +432,12 @@ def test_interim_answers_are_passed_over_up_to_a_bound(interim: int, answered: b
     its body; now passed over, at most MAX_INTERIM of them."""
     answer = b"HTTP/1.1 100 Continue\r\n\r\n" * interim + b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
 
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(serve_once(answer))
-            port = listeners[0].socket.getsockname()[1]
-            if answered:
-                whole = await fetch("GET", "127.0.0.1", port, "/")
-                assert (whole.status, whole.content) == (200, b"ok")
-            else:
-                with pytest.raises(ClientError, match="interim answers"):
-                    await fetch("GET", "127.0.0.1", port, "/")
-            nursery.cancel_scope.cancel()
+    async def check(port: int) -> None:
+        if answered:
+            whole = await fetch("GET", "127.0.0.1", port, "/")
+            assert (whole.status, whole.content) == (200, b"ok")
+        else:
+            with pytest.raises(ClientError, match="interim answers"):
+                await fetch("GET", "127.0.0.1", port, "/")
 
-    trio.run(main)
+    against(answer, check)
