@@ -174,10 +174,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CannotStart(f"--control-plane: {exc} (an IP address the control plane connects from)") from None
 
     from agent.app import assemble, create_app
-    from agent.backends.launch import ProcessLauncher
+    from agent.backends.launch import ProcessLauncher, fork_server
     from agent.api.server import serve
+    from agent.serving.registry import BACKENDS
 
-    ctx = assemble(home, ident, secret, __version__, probe, ProcessLauncher(), listen_host=host, windows=wins,
+    launcher = ProcessLauncher(fork_server(BACKENDS.values(), home / "servers" / "forkserver.log"))
+    ctx = assemble(home, ident, secret, __version__, probe, launcher, listen_host=host, windows=wins,
                    verify_every_s=verify_every, disk_reserve=reserve, weights_key=weights_key, peer_tls=peer_tls)
     if isinstance(probe, inventory.SimulatedGpus):  # as NVML shows a loaded server's memory as used
         probe.loaded = ctx.workers.reserved

@@ -4,7 +4,6 @@ subprocess.Popen, and the shape of an engine's launch spec (the specs live in ag
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import importlib.util
 import os
@@ -14,12 +13,15 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import trio
 
 from net import client
 
+from agent.backends.forkserver import ForkServer, die_with_parent
+
+NO_FORK_SERVER_ENV = "FLEET_NO_FORK_SERVER"  # set (to anything): every worker starts as a new process
 HEALTH_TIMEOUT_S = 2.0
 HEALTH_ANSWER_LIMIT = 1 << 20  # a health answer is a few bytes; a larger one is no answer
 
@@ -43,7 +45,9 @@ class Command:
 @dataclass(frozen=True, slots=True)
 class LaunchSpec:
     """One engine: the format it serves, the modules it needs (and the extra installing them), the
-    path that answers 200 once it is ready, and how settings become its command line."""
+    path that answers 200 once it is ready, and how settings become its command line. A worker that
+    is a Python module (`worker`, run with -m) with `preload` named is forked from the agent's fork
+    server (agent/backends/forkserver.py), which imports those modules once for all of them."""
 
     name: str
     format: str
@@ -51,6 +55,8 @@ class LaunchSpec:
     extra: str
     health: str
     command: Callable[[str, str, int, dict[str, Any], ModelPath], Command]  # (path, host, port, settings, paths)
+    worker: str = ""
+    preload: tuple[str, ...] = ()
 
 
 class Process(Protocol):
@@ -79,7 +85,8 @@ class Launcher(Protocol):
     def port_problem(self, host: str, port: int) -> str | None:
         """Why a server could not listen on host:port ("in use", ...), or None when it could."""
 
-    def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str], keep_fds: Sequence[int] = ()) -> Process:
+    async def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str],
+                     keep_fds: Sequence[int] = ()) -> Process:
         """Start argv with stdout and stderr appended to `log` and `env` added to the agent's own
         environment less its FLEET_* variables (worker_environment; `env` carries what must not be on
         a command line: the worker's credential); `keep_fds` are descriptors the worker inherits at
@@ -91,17 +98,9 @@ class Launcher(Protocol):
         nothing listens yet)."""
 
 
-def _die_with_parent() -> None:
-    # Linux: the worker gets SIGKILL when the agent dies, even by SIGKILL: no orphans.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _die_with_parent_no_core() -> None:
     # A worker holding decrypted weights: a core file would write them to disk.
-    _die_with_parent()
+    die_with_parent()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
@@ -121,6 +120,16 @@ def gpu_environment(gpus: Sequence[Mapping[str, Any]], legacy_gpu_ask: bool = Fa
     if gpus:
         return {"CUDA_VISIBLE_DEVICES": ",".join(str(g["uuid"]) for g in gpus)}
     return {} if legacy_gpu_ask else {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def fork_server(specs: Iterable[LaunchSpec], log: Path) -> ForkServer | None:
+    """The fork server for the workers of `specs` that name what to preload, or None when none does
+    or FLEET_NO_FORK_SERVER is set (every worker then starts as a new process)."""
+    forked = [spec for spec in specs if spec.worker and spec.preload]
+    if not forked or os.environ.get(NO_FORK_SERVER_ENV):
+        return None
+    preload = dict.fromkeys(name for spec in forked for name in spec.preload)  # in order, once each
+    return ForkServer([spec.worker for spec in forked], list(preload), log, worker_environment(os.environ))
 
 
 class PopenProcess:
@@ -158,7 +167,12 @@ class PopenProcess:
 
 
 class ProcessLauncher:
-    """The production launcher: real processes that die with the agent, health asked over HTTP."""
+    """The production launcher: real processes that die with the agent, health asked over HTTP.
+    Given a fork server (agent/backends/forkserver.py), the workers it can fork are forked there,
+    the rest (and all of them once it cannot) started as new processes."""
+
+    def __init__(self, forks: ForkServer | None = None) -> None:
+        self.forks = forks
 
     def missing(self, modules: Sequence[str]) -> list[str]:
         return [m for m in modules if importlib.util.find_spec(m) is None]
@@ -173,14 +187,23 @@ class ProcessLauncher:
                 return "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
         return None
 
-    def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str],
-               keep_fds: Sequence[int] = ()) -> PopenProcess:
+    async def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str],
+                     keep_fds: Sequence[int] = ()) -> Process:
+        if self.forks is not None and self.forks.forks(argv, env, keep_fds):
+            forked = await self.forks.launch(argv, log, {**worker_environment(os.environ), **env, "PYTHONUNBUFFERED": "1"})
+            if forked is not None:
+                return forked
+        return self.start(argv, log, env, keep_fds)
+
+    def start(self, argv: Sequence[str], log: Path, env: Mapping[str, str],
+              keep_fds: Sequence[int] = ()) -> PopenProcess:
+        """A new process, as `launch` starts one: exec'd, not forked from the fork server."""
         with open(log, "ab") as out:
             # Call this from the event loop's own thread, on purpose: PR_SET_PDEATHSIG fires when the
             # *thread* that forked the child exits, and trio's open_process forks from a worker
             # thread that idles out after a few seconds, killing healthy servers.
             proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    preexec_fn=_die_with_parent_no_core if keep_fds else _die_with_parent,
+                                    preexec_fn=_die_with_parent_no_core if keep_fds else die_with_parent,
                                     pass_fds=tuple(keep_fds),
                                     env={**worker_environment(os.environ), **env, "PYTHONUNBUFFERED": "1"})
         return PopenProcess(proc)

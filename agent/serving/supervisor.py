@@ -465,7 +465,7 @@ class Workers:
             return
         timeout = float(server.settings.get("startup_timeout_s") or DEFAULT_STARTUP_TIMEOUT_S)
         try:
-            proc = self.launcher.launch(server.argv, server.log, {**server.env, **self._stage_env(server),
+            proc = await self.launcher.launch(server.argv, server.log, {**server.env, **self._stage_env(server),
                                                                   WORKER_CREDENTIAL_ENV: server.credential}, keep_fds)
         except OSError as exc:
             server.state, server.reason = "failed", f"could not start {server.argv[0]}: {exc}"

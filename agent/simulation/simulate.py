@@ -77,8 +77,8 @@ class SimulatedLauncher:
     def port_problem(self, host: str, port: int) -> str | None:
         return None
 
-    def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str],
-               keep_fds: Sequence[int] = ()) -> SimulatedProcess:
+    async def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str],
+                     keep_fds: Sequence[int] = ()) -> SimulatedProcess:
         return SimulatedProcess()
 
     async def answers(self, url: str, credential: str) -> bool:

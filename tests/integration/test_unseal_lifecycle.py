@@ -168,8 +168,8 @@ class Recorder(SimulatedLauncher):
     def __init__(self) -> None:
         self.launched: list[tuple[Path, tuple[int, ...], bytes]] = []
 
-    def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str],
-               keep_fds: Sequence[int] = ()) -> SimulatedProcess:
+    async def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str],
+                     keep_fds: Sequence[int] = ()) -> SimulatedProcess:
         link = Path(next(a for a in argv if ".sealed/" in a))
         self.launched.append((link, tuple(keep_fds), link.read_bytes()))
         return SimulatedProcess()
@@ -224,7 +224,7 @@ def test_a_worker_gets_its_own_memfds_and_no_fleet_variable(tmp_path: Path, monk
         results = []
         for keep in ((mine,), ()):
             log = tmp_path / f"{len(keep)}.log"
-            proc = ProcessLauncher().launch([sys.executable, "-c", PROBE, str(mine), str(other)], log,
+            proc = ProcessLauncher().start([sys.executable, "-c", PROBE, str(mine), str(other)], log,
                                             {"FLEET_WORKER_CREDENTIAL": "c"}, keep)
             assert proc.proc.wait(30) == 0, log.read_text()
             results.append(json.loads(log.read_text()))
@@ -324,7 +324,7 @@ def test_a_worker_handed_a_models_memfds_is_closed_to_the_other_workers(tmp_path
     os.write(fd, b"plaintext")
     log = tmp_path / "worker.log"
     try:
-        proc = ProcessLauncher().launch([*BARE, sys.executable, "-c", WORKER], log, {}, (fd,) if handed else ())
+        proc = ProcessLauncher().start([*BARE, sys.executable, "-c", WORKER], log, {}, (fd,) if handed else ())
     finally:
         os.close(fd)
     try:

@@ -14,8 +14,14 @@ from wire.layers import LayerRange, LayerRangeError
 from wire.plan_details import PipelineDetails
 
 from agent.backends.launch import BadSettings, Command, LaunchSpec, ModelPath
+from agent.backends.torch import spec as torch_spec
 
 NAME = "pipeline"
+WORKER = "agent.backends.pipeline.stage"
+# A stage imports what a torch worker does (it serves with the same code) and the pipeline's own.
+PRELOAD = (*torch_spec.PRELOAD, "torch.distributed", "agent.backends.pipeline.engine", "agent.backends.pipeline.group",
+           "agent.backends.pipeline.link", "agent.backends.pipeline.model", "agent.backends.pipeline.rows",
+           "agent.backends.pipeline.web")
 
 # The secret a group's stages share, in a stage's environment (never on its command line, in the
 # plan or in fleet.yaml): each stage's agent derives it from the cluster secret and the group id.
@@ -88,7 +94,7 @@ def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPat
     details = check_details(s.get("pipeline"))
     if s.get("speculative"):
         raise BadSettings("a pipeline stage does not decode speculatively; remove speculative from the settings")
-    argv = [sys.executable, "-m", "agent.backends.pipeline.stage", "--model", path, "--host", host,
+    argv = [sys.executable, "-m", WORKER, "--model", path, "--host", host,
             "--port", str(port), "--pipeline", json.dumps(details, separators=(",", ":"))]
     if s.get("served_name"):  # what /v1/models and every answer's `model` say: the cluster, not a path
         argv += ["--served-name", str(s["served_name"])]
@@ -110,4 +116,4 @@ def command(path: str, host: str, port: int, s: dict[str, Any], _paths: ModelPat
 
 
 SPEC = LaunchSpec(name=NAME, format="safetensors", modules=("torch", "transformers"), extra="torch",
-                  health="/health", command=command)
+                  health="/health", command=command, worker=WORKER, preload=PRELOAD)

@@ -8,8 +8,20 @@ from typing import Any
 from agent.backends.launch import BadSettings, Command, LaunchSpec, ModelPath
 
 
+WORKER = "agent.backends.torch.worker"
+# What every torch worker imports before it serves (a fork server imports it once for all of them):
+# PyTorch, transformers' loading and the Llama family's code (fleet's test models, SmolLM2, and most
+# open models served; another family's worker imports its own), the worker's HTTP server and engine.
+# Never the worker module itself: run again as __main__, it would be a second copy of it.
+PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+           "transformers.models.auto.tokenization_auto", "transformers.models.llama.modeling_llama",
+           "transformers.generation.streamers", "tokenizers", "safetensors.torch", "hypercorn.config",
+           "hypercorn.trio", "agent.auth", "agent.weights.sealed", "agent.backends.openai_app",
+           "agent.backends.outbox", "agent.backends.torch.engine")
+
+
 def command(path: str, host: str, port: int, s: dict[str, Any], paths: ModelPath) -> Command:
-    argv = [sys.executable, "-m", "agent.backends.torch.worker", "--model", path, "--host", host,
+    argv = [sys.executable, "-m", WORKER, "--model", path, "--host", host,
             "--port", str(port)]
     if s.get("served_name"):  # what /v1/models and every answer's `model` say: the cluster, not a path
         argv += ["--served-name", str(s["served_name"])]
@@ -48,4 +60,4 @@ def command(path: str, host: str, port: int, s: dict[str, Any], paths: ModelPath
 
 
 SPEC = LaunchSpec(name="torch", format="safetensors", modules=("torch", "transformers"), extra="torch",
-                  health="/health", command=command)
+                  health="/health", command=command, worker=WORKER, preload=PRELOAD)
