@@ -6,7 +6,8 @@ import them anew (bench/worker_start.py measures both).
 
 A worker forked here gets what `subprocess.Popen` gives one (agent/backends/launch.py): its command
 line run as `python -m` runs it (runpy), exactly the environment it was sent, stdout and stderr
-appended to its log, stdin from /dev/null, the working directory it was sent, death with its parent
+appended to its log, stdin from /dev/null, the agent's working directory (the server's: the agent
+never changes its own), death with its parent
 (PR_SET_PDEATHSIG; the server itself dies with the agent), and its exit status told to the agent
 (negative: the signal that killed it). The agent forks only workers given no GPU: CUDA cannot be used
 in a child forked after its parent touched it, and the server's own environment hides every GPU from
@@ -23,7 +24,7 @@ that is multiprocessing's private business), and it runs a pickled callable unde
 bootstrap, where a worker here is a command line with its own environment, log and exit status.
 
 The wire, a SOCK_SEQPACKET pair, one JSON message a datagram: the server first says {"ready": true}
-(or false, with "why"). Then, for each request {"module", "args", "env", "log", "cwd"},
+(or false, with "why"). Then, for each request {"module", "args", "env"},
 sent with two descriptors (the write end of the child's status pipe, and its log opened for
 appending), it answers {"pid": N} with the child's pidfd, or {"error": why}. When a child exits, its status (a signed 32-bit integer) is written
 to its status pipe, which is then closed; a pipe closed with nothing in it means the server died, and
@@ -87,10 +88,9 @@ def _check(request: Any) -> dict[str, Any]:
 
     ok = (isinstance(request, dict) and isinstance(request.get("module"), str) and texts(request.get("args"))
           and isinstance(request.get("env"), dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                           for k, v in request["env"].items())
-          and isinstance(request.get("cwd"), str))
+                                                           for k, v in request["env"].items()))
     if not ok:
-        raise ValueError("a request needs module, args, env and cwd")
+        raise ValueError("a request needs module, args and env")
     return request  # type: ignore[no-any-return]
 
 
@@ -109,7 +109,6 @@ def _become(request: dict[str, Any], server: int, log: int, close: Sequence[int]
     os.dup2(log, 2)
     os.close(log)
     os.close(null)
-    os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     numpy_random = sys.modules.get("numpy.random")
@@ -291,7 +290,7 @@ class ForkServer:
             out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)  # OSError: as Popen's
             status_r, status_w = os.pipe()
             os.set_blocking(status_r, False)
-            request = {"module": argv[2], "args": list(argv[3:]), "env": dict(env), "cwd": os.getcwd()}
+            request = {"module": argv[2], "args": list(argv[3:]), "env": dict(env)}
             try:
                 _send(self.sock, request, [status_w, out])
                 answer, fds = await self._receive(ANSWER_TIMEOUT_S)
