@@ -298,7 +298,7 @@ class ForkServer:
                 os.close(status_r)
                 # A server that does not answer as it should is stopped: a late answer would be a
                 # worker no one supervises. What it forked dies with it, and is reported killed.
-                self.close(f"the fork server stopped answering: {exc!r}")
+                self.close(f"the fork server stopped answering: {exc!r}", patience=0)
                 return None
             finally:
                 os.close(status_w)
@@ -333,7 +333,7 @@ class ForkServer:
         try:
             hello, _ = await self._receive(READY_TIMEOUT_S)
         except (OSError, ValueError, trio.TooSlowError) as exc:
-            self.close(f"the fork server did not start: {exc!r}")
+            self.close(f"the fork server did not start: {exc!r}", patience=0)
             return
         if hello.get("ready") is not True:
             self.close(str(hello.get("why") or f"the fork server said {hello!r}"))
@@ -355,15 +355,19 @@ class ForkServer:
             raise ValueError(f"the fork server said {answer!r}")
         return answer, fds
 
-    def close(self, why: str = "closed") -> None:
-        """No more forks; the server is stopped, and the workers it forked die with it."""
+    def close(self, why: str = "closed", patience: float = 5.0) -> None:
+        """No more forks; the server is stopped (its end of the socket closed, it exits: within
+        `patience` seconds, else killed), and the workers it forked die with it."""
         self.why_not = self.why_not or why
         if self.sock is not None:
             self.sock.close()
             self.sock = None
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            try:
+                self.proc.wait(patience)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 if __name__ == "__main__":
