@@ -109,6 +109,7 @@ def _become(request: dict[str, Any], server: int, log: int, close: Sequence[int]
     os.dup2(log, 2)
     os.close(log)
     os.close(null)
+    _title([sys.executable, "-m", request["module"], *request["args"]])  # before the environment changes
     os.environ.clear()
     os.environ.update(request["env"])
     numpy_random = sys.modules.get("numpy.random")
@@ -201,6 +202,23 @@ def _reap(statuses: dict[int, int]) -> None:
             except OSError:
                 pass  # the agent no longer waits for it
             os.close(fd)
+
+
+def _title(argv: Sequence[str]) -> None:
+    """What `ps` shows of a forked worker: its own command line, where the kernel still has the
+    server's (setproctitle, with the [torch] extra; its room is the server's command line, which the
+    preload makes long). /proc/PID/environ stays the server's: the worker's own is in its os.environ.
+    Called while the environment is still the server's: setproctitle finds the command line's room
+    from where the environment starts, and an environment replaced first leaves it none."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    os.environ["SPT_NOENV"] = "1"  # the title takes the command line's room only, never the environment's
+    try:
+        setproctitle.setproctitle(" ".join(argv))
+    finally:
+        del os.environ["SPT_NOENV"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

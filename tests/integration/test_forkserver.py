@@ -26,7 +26,8 @@ import json, os, sys, time
 st, null = os.fstat(0), os.stat(os.devnull)
 print(json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "ppid": os.getppid(),
                   "name": __name__, "stdin_null": (st.st_dev, st.st_ino) == (null.st_dev, null.st_ino),
-                  "loaded": "heavy_probe_dep" in sys.modules}))
+                  "loaded": "heavy_probe_dep" in sys.modules,
+                  "title": open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").decode()}))
 print("to stderr", file=sys.stderr)
 if sys.argv[1] == "sleep":
     time.sleep(60)
@@ -97,6 +98,7 @@ def test_a_forked_worker_gets_what_popen_gives_it_and_its_exit_code(workdir: Pat
         assert seen["env"] == env  # exactly what was sent: nothing of the server's own, no FLEET_* but its own
         assert seen["cwd"] == str(workdir) and seen["stdin_null"] and seen["ppid"] == server_pid
         assert seen["loaded"]  # the preload came with the fork, not imported again
+        assert seen["title"] == f"{sys.executable} -m probe exit {code}"  # what ps shows: its own command line
 
 
 def test_a_signal_reaches_the_worker_and_its_exit_is_told_as_popen_tells_it(workdir: Path) -> None:
