@@ -101,6 +101,19 @@ def smollm2_f32(request: pytest.FixtureRequest) -> Path:
 
 
 @pytest.fixture(scope="session")
+def forks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """The fork server of this test process (agent/backends/forkserver.py), for the workers tests
+    start themselves (tests/forked.py), as an agent's is for its own; started on the first fork."""
+    from agent.backends.launch import fork_server
+    from agent.serving.registry import BACKENDS
+
+    server = fork_server(BACKENDS.values(), tmp_path_factory.mktemp("forkserver") / "forkserver.log")
+    assert server is not None, "FLEET_NO_FORK_SERVER is set"
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
 def postgres() -> Iterator[object]:
     """A real PostgreSQL for the session (tests/postgres.py); skipped, saying why, where there is none."""
     from tests import postgres as pg

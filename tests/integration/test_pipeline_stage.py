@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,10 +22,12 @@ import pytest
 import trio
 
 from agent.api.server import Spawner
+from agent.backends.forkserver import ForkServer
 from agent.backends.launch import ProcessLauncher
 from agent.weights.store import Store
 from agent.serving.supervisor import RequestRefused, Workers
 from reconciler.agents.netutil import free_port
+from tests import forked
 from tests.integration.test_torch_worker import Worker, sse_events, together
 from tests.models import hold_slices, sliced, tiny_safetensors
 
@@ -82,9 +83,11 @@ def test_a_stage_is_launched_with_its_details_settings_and_reason_file() -> None
 
 class Pipeline:
     """`python -m agent.backends.pipeline.stage` once per slice, stage i on ADDRESSES[i], all on one
-    port (as a cluster's members), each one's output in its own log; stopped on exit."""
+    port (as a cluster's members), forked from the test process's fork server (tests/forked.py),
+    each one's output in its own log; stopped on exit."""
 
-    def __init__(self, dirs: list[Path], spans: list[str], logs: Path, *extra: str, wait: bool = True) -> None:
+    def __init__(self, forks: ForkServer, dirs: list[Path], spans: list[str], logs: Path, *extra: str,
+                 wait: bool = True) -> None:
         self.port = free_port(*ADDRESSES[:len(dirs)])
         while not _free(ADDRESSES[0], self.port + 1):  # the rendezvous, on the first stage's address
             self.port = free_port(*ADDRESSES[:len(dirs)])
@@ -96,8 +99,7 @@ class Pipeline:
             argv = [sys.executable, "-m", "agent.backends.pipeline.stage", "--model", str(d), "--host", ADDRESSES[i],
                     "--port", str(self.port), "--pipeline", json.dumps(details(spans, i, self.port)),
                     "--threads", "1", "--reason-file", str(self.reasons[i]), *extra]
-            with open(self.logs[i], "wb") as out:
-                self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT))
+            self.procs.append(forked.start(forks, argv, self.logs[i]))
         if wait:
             self.wait_healthy()
 
@@ -166,16 +168,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def whole(models: Path) -> Iterator[Worker]:
-    w = Worker(models, "--max-batch", "8")
+def whole(models: Path, forks: ForkServer) -> Iterator[Worker]:
+    w = Worker(forks, models, "--max-batch", "8")
     yield w
     w.stop()
 
 
 @pytest.fixture(scope="module")
-def two(models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
+def two(models: Path, tmp_path_factory: pytest.TempPathFactory, forks: ForkServer) -> Iterator[Pipeline]:
     spans = ["0-1", "2-3"]
-    p = Pipeline(sliced(models, spans, models.parent), spans, tmp_path_factory.mktemp("two"), "--stream-buffer", "4")
+    p = Pipeline(forks, sliced(models, spans, models.parent), spans, tmp_path_factory.mktemp("two"), "--stream-buffer", "4")
     yield p
     p.stop()
 
@@ -244,9 +246,9 @@ def test_a_slow_reader_gets_every_token_and_stalls_no_one(two: Pipeline, whole: 
     assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
 
 
-def test_a_killed_stage_ends_the_stream_naming_it_and_every_stage_exits(models: Path, tmp_path: Path) -> None:
+def test_a_killed_stage_ends_the_stream_naming_it_and_every_stage_exits(models: Path, tmp_path: Path, forks: ForkServer) -> None:
     spans = ["0-1", "2", "3"]
-    p = Pipeline(sliced(models, spans, models.parent), spans, tmp_path)
+    p = Pipeline(forks, sliced(models, spans, models.parent), spans, tmp_path)
     try:
         named = f"pipeline stage 1 (node node1, {ADDRESSES[1]}:{p.port}, layers 2)"
         events = []
@@ -271,9 +273,9 @@ def test_a_killed_stage_ends_the_stream_naming_it_and_every_stage_exits(models: 
         p.stop()
 
 
-def test_a_silent_stage_is_named_once_its_heartbeat_stops(models: Path, tmp_path: Path) -> None:
+def test_a_silent_stage_is_named_once_its_heartbeat_stops(models: Path, tmp_path: Path, forks: ForkServer) -> None:
     spans = ["0-1", "2-3"]
-    p = Pipeline(sliced(models, spans, models.parent), spans, tmp_path, "--silence-timeout", "2")
+    p = Pipeline(forks, sliced(models, spans, models.parent), spans, tmp_path, "--silence-timeout", "2")
     try:
         os.kill(p.procs[1].pid, signal.SIGSTOP)
         assert p.procs[0].wait(30) == 3
@@ -284,9 +286,9 @@ def test_a_silent_stage_is_named_once_its_heartbeat_stops(models: Path, tmp_path
         p.stop()
 
 
-def test_a_stage_that_never_joins_is_named(models: Path, tmp_path: Path) -> None:
+def test_a_stage_that_never_joins_is_named(models: Path, tmp_path: Path, forks: ForkServer) -> None:
     spans = ["0-1", "2-3"]
-    p = Pipeline(sliced(models, spans, models.parent)[:1], spans, tmp_path, "--join-timeout", "2", wait=False)
+    p = Pipeline(forks, sliced(models, spans, models.parent)[:1], spans, tmp_path, "--join-timeout", "2", wait=False)
     try:
         assert p.exits(60) == [3]
         assert p.reasons[0].read_text().strip() == (
@@ -296,10 +298,10 @@ def test_a_stage_that_never_joins_is_named(models: Path, tmp_path: Path) -> None
         p.stop()
 
 
-def test_a_stage_that_cannot_load_fails_the_group(models: Path, tmp_path: Path) -> None:
+def test_a_stage_that_cannot_load_fails_the_group(models: Path, tmp_path: Path, forks: ForkServer) -> None:
     spans = ["0-1", "2-3"]
     first, _ = sliced(models, spans, models.parent)
-    p = Pipeline([first, first], spans, tmp_path, wait=False)  # stage 1 is handed the first slice
+    p = Pipeline(forks, [first, first], spans, tmp_path, wait=False)  # stage 1 is handed the first slice
     try:
         assert p.exits(120) == [3, 3]
         reason = f"pipeline stage 1 (node node1, {ADDRESSES[1]}:{p.port}, layers 2-3) could not load its slice"
@@ -309,7 +311,7 @@ def test_a_stage_that_cannot_load_fails_the_group(models: Path, tmp_path: Path) 
         p.stop()
 
 
-def test_workers_start_a_group_from_held_slices_and_fail_it_whole(models: Path, tmp_path: Path) -> None:
+def test_workers_start_a_group_from_held_slices_and_fail_it_whole(models: Path, tmp_path: Path, forks: ForkServer) -> None:
     spans = ["0-1", "2-3"]
     stores = [Store(tmp_path / f"node{i}") for i in range(2)]
     digests = [hold_slices(stores[i], models, spans)[i] for i in range(2)]
@@ -319,7 +321,7 @@ def test_workers_start_a_group_from_held_slices_and_fail_it_whole(models: Path, 
         spawner = Spawner()
         async with trio.open_nursery() as nursery:
             spawner.nursery = nursery
-            workers = [Workers(tmp_path / f"node{i}", stores[i], spawner, ProcessLauncher(), ADDRESSES[i])
+            workers = [Workers(tmp_path / f"node{i}", stores[i], spawner, ProcessLauncher(forks), ADDRESSES[i])
                        for i in range(2)]
             for i, w in enumerate(workers):
                 with pytest.raises(RequestRefused) as info:

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from agent.backends.forkserver import ForkServer
 from agent.backends.torch.layers import Stack
 from agent.backends.torch.prefix import Hit, Prefill, PrefixCache, common
 from tests.integration.test_torch_worker import Worker, completion, together
@@ -149,9 +150,9 @@ def test_the_cache_keeps_within_its_cap(stack: tuple[Stack, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_dir: Path) -> Iterator[tuple[Worker, Worker]]:
+def pair(tiny_dir: Path, forks: ForkServer) -> Iterator[tuple[Worker, Worker]]:
     """Two tiny workers: with the prefix cache (the default), and without."""
-    cached, plain = Worker(tiny_dir, "--max-batch", "8"), Worker(tiny_dir, "--prefix-cache", "0")
+    cached, plain = Worker(forks, tiny_dir, "--max-batch", "8"), Worker(forks, tiny_dir, "--prefix-cache", "0")
     yield cached, plain
     cached.stop()
     plain.stop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -19,9 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
+from agent.backends.forkserver import ForkServer
 from agent.backends.launch import BadSettings
 from agent.backends.pipeline.group import BEAT_S, SENTENCES, Fault, GroupSpec
 from agent.backends.pipeline.spec import PIPELINE_KEY_ENV, check_details, group_key
+from tests import forked
 from tests.agents import SECRET
 from tests.integration.test_pipeline_stage import ADDRESSES, Pipeline, details
 from tests.models import sliced, tiny_safetensors
@@ -44,11 +45,11 @@ def outsider(port: int) -> Any:
     return TCPStore(ADDRESSES[0], port, 1, False, timeout=timedelta(seconds=5), wait_for_workers=False)
 
 
-def test_an_outsider_cannot_read_the_keys_nor_end_the_group(models: Path, tmp_path: Path,
+def test_an_outsider_cannot_read_the_keys_nor_end_the_group(models: Path, tmp_path: Path, forks: ForkServer,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     spans = ["0-1", "2-3"]
     monkeypatch.setenv(PIPELINE_KEY_ENV, group_key(SECRET.encode(), GROUP))  # what each stage's agent gives it
-    p = Pipeline(sliced(models, spans, models.parent), spans, tmp_path)
+    p = Pipeline(forks, sliced(models, spans, models.parent), spans, tmp_path)
     try:
         store = outsider(p.port + 1)
         guessed = [f"{GROUP}/{name}/{r}" for name in ("joined", "beat", "dtype") for r in range(2)]
@@ -68,18 +69,17 @@ def test_an_outsider_cannot_read_the_keys_nor_end_the_group(models: Path, tmp_pa
         p.stop()
 
 
-def test_a_stage_without_the_groups_secret_never_joins(models: Path, tmp_path: Path,
+def test_a_stage_without_the_groups_secret_never_joins(models: Path, tmp_path: Path, forks: ForkServer,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     spans = ["0-1", "2-3"]
     dirs = sliced(models, spans, models.parent)
     monkeypatch.setenv(PIPELINE_KEY_ENV, group_key(SECRET.encode(), GROUP))
-    p = Pipeline(dirs[:1], spans, tmp_path, "--join-timeout", "20", wait=False)
+    p = Pipeline(forks, dirs[:1], spans, tmp_path, "--join-timeout", "20", wait=False)
     wrong = {**os.environ, PIPELINE_KEY_ENV: group_key(b"another-cluster-secret-0123", GROUP)}
     argv = [sys.executable, "-m", "agent.backends.pipeline.stage", "--model", str(dirs[1]), "--host", ADDRESSES[1],
             "--port", str(p.port), "--pipeline", json.dumps(details(spans, 1, p.port)), "--threads", "1",
             "--join-timeout", "20", "--reason-file", str(tmp_path / "intruder.reason")]
-    with open(tmp_path / "intruder.log", "wb") as out:
-        intruder = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=wrong)
+    intruder = forked.start(forks, argv, tmp_path / "intruder.log", wrong)
     try:
         assert p.exits(120) == [3]
         assert p.reasons[0].read_text().strip() == (
@@ -118,7 +118,8 @@ def test_the_groups_secret_is_per_group_and_per_cluster_and_the_store_is_the_fir
         check_details(moved)
 
 
-def test_agents_hand_their_stages_the_groups_secret_and_nothing_else_shows_it(models: Path, tmp_path: Path) -> None:
+def test_agents_hand_their_stages_the_groups_secret_and_nothing_else_shows_it(models: Path, tmp_path: Path,
+                                                                             forks: ForkServer) -> None:
     """Two agents' Workers (sharing the cluster secret) start a group: it forms, the secret is in
     neither the stages' command lines nor the agents' state, and an outsider sees none of its keys."""
     import trio
@@ -140,7 +141,7 @@ def test_agents_hand_their_stages_the_groups_secret_and_nothing_else_shows_it(mo
         spawner = Spawner()
         async with trio.open_nursery() as nursery:
             spawner.nursery = nursery
-            workers = [Workers(tmp_path / f"node{i}", stores[i], spawner, ProcessLauncher(), ADDRESSES[i],
+            workers = [Workers(tmp_path / f"node{i}", stores[i], spawner, ProcessLauncher(forks), ADDRESSES[i],
                                secret=SECRET.encode()) for i in range(2)]
             servers = [w.start({"id": "big", "model": digests[i], "port": port, "settings": {"threads": 1},
                                 "pipeline": details(spans, i, port)}) for i, w in enumerate(workers)]

@@ -17,7 +17,9 @@ import httpx
 import openai
 import pytest
 
+from agent.backends.forkserver import ForkServer
 from reconciler.agents.netutil import free_port
+from tests import forked
 from tests.models import tiny_safetensors
 
 # Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
@@ -27,14 +29,16 @@ HOST = "127.0.0.1"
 
 
 class Worker:
-    """`python -m agent.backends.torch.worker` on a free loopback port, stopped on exit."""
+    """`python -m agent.backends.torch.worker` on a free loopback port, forked from the test process's
+    fork server (tests/forked.py), its output in a log in `logs` (beside its model: a test's
+    directory); stopped on exit."""
 
-    def __init__(self, model: Path, *extra: str) -> None:
+    def __init__(self, forks: ForkServer, model: Path, *extra: str, logs: Path | None = None) -> None:
         self.model, self.port = model, free_port(HOST)
         self.url = f"http://{HOST}:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "agent.backends.torch.worker", "--model", str(model),
-                                      "--host", HOST, "--port", str(self.port), "--threads", "1", *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.log = (logs or model.parent) / f"worker-{self.port}.log"
+        self.proc = forked.start(forks, [sys.executable, "-m", "agent.backends.torch.worker", "--model", str(model),
+                                         "--host", HOST, "--port", str(self.port), "--threads", "1", *extra], self.log)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -44,8 +48,8 @@ class Worker:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
-                out = self.proc.communicate()[0].decode(errors="replace")
-                raise RuntimeError(f"the worker did not come up:\n{out[-3000:]}")
+                self.proc.wait()
+                raise RuntimeError(f"the worker did not come up:\n{self.log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.1)
 
     def stop(self) -> None:
@@ -116,8 +120,8 @@ PROMPTS = ["The fleet", "Weights are pinned by digest and replicated from a peer
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
-    w = Worker(tiny_safetensors(tmp_path_factory.mktemp("models")), "--stream-buffer", "4", "--max-batch", "8")
+def tiny(tmp_path_factory: pytest.TempPathFactory, forks: ForkServer) -> Iterator[Worker]:
+    w = Worker(forks, tiny_safetensors(tmp_path_factory.mktemp("models")), "--stream-buffer", "4", "--max-batch", "8")
     yield w
     w.stop()
 
@@ -242,8 +246,8 @@ def test_a_client_that_leaves_frees_its_row(tiny: Worker) -> None:
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_f32: Path) -> Iterator[Worker]:
-    w = Worker(smollm2_f32)
+def smol(smollm2_f32: Path, forks: ForkServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    w = Worker(forks, smollm2_f32, logs=tmp_path_factory.mktemp("smol"))  # the model is kept between runs
     yield w
     w.stop()
 
