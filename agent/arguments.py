@@ -55,6 +55,10 @@ def build_parser() -> Parser:
                         "one at a time in the background; a model that fails is reported corrupt and no "
                         "server starts on it. off: only on demand (POST /v1/weights/DIGEST/verify)")
     p.add_argument("--key-file", metavar="FILE", help=key_help)
+    p.add_argument("--no-fork-server", action="store_true",
+                   help="start every PyTorch worker as a new process, importing PyTorch itself (seconds each), "
+                        "instead of forking it from the agent's fork server, which imported PyTorch once "
+                        "(workers given GPUs start as new processes either way)")
     p.add_argument("--disk-reserve", metavar="SIZE",
                    help="bytes of the home's disk a fetch never uses (e.g. 1GiB, 500MB, 0); a fetch that would "
                         "is refused (disk_full) (default: 1 GiB, or a tenth of a smaller disk)")

@@ -178,7 +178,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from agent.api.server import serve
     from agent.serving.registry import BACKENDS
 
-    launcher = ProcessLauncher(fork_server(BACKENDS.values(), home / "servers" / "forkserver.log"))
+    forks = None if args.no_fork_server else fork_server(BACKENDS.values(), home / "servers" / "forkserver.log")
+    launcher = ProcessLauncher(forks)
     ctx = assemble(home, ident, secret, __version__, probe, launcher, listen_host=host, windows=wins,
                    verify_every_s=verify_every, disk_reserve=reserve, weights_key=weights_key, peer_tls=peer_tls)
     if isinstance(probe, inventory.SimulatedGpus):  # as NVML shows a loaded server's memory as used

@@ -54,7 +54,7 @@ async def start(launcher: ProcessLauncher, model: Path, log: Path) -> tuple[floa
 
 async def bench(model: Path, runs: int, work: Path) -> None:
     forks = fork_server(BACKENDS.values(), work / "forkserver.log")
-    assert forks is not None, "FLEET_NO_FORK_SERVER is set"
+    assert forks is not None, "no engine names what its fork server preloads"
     arms = {"new process": ProcessLauncher(), "forked": ProcessLauncher(forks)}
     seen: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
     try:

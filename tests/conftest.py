@@ -108,7 +108,7 @@ def forks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     from agent.serving.registry import BACKENDS
 
     server = fork_server(BACKENDS.values(), tmp_path_factory.mktemp("forkserver") / "forkserver.log")
-    assert server is not None, "FLEET_NO_FORK_SERVER is set"
+    assert server is not None, "no engine names what its fork server preloads"
     yield server
     server.close()
 

@@ -21,7 +21,6 @@ from net import client
 
 from agent.backends.forkserver import ForkServer, die_with_parent
 
-NO_FORK_SERVER_ENV = "FLEET_NO_FORK_SERVER"  # set (to anything): every worker starts as a new process
 HEALTH_TIMEOUT_S = 2.0
 HEALTH_ANSWER_LIMIT = 1 << 20  # a health answer is a few bytes; a larger one is no answer
 
@@ -124,9 +123,9 @@ def gpu_environment(gpus: Sequence[Mapping[str, Any]], legacy_gpu_ask: bool = Fa
 
 def fork_server(specs: Iterable[LaunchSpec], log: Path) -> ForkServer | None:
     """The fork server for the workers of `specs` that name what to preload, or None when none does
-    or FLEET_NO_FORK_SERVER is set (every worker then starts as a new process)."""
+    (every worker then starts as a new process)."""
     forked = [spec for spec in specs if spec.worker and spec.preload]
-    if not forked or os.environ.get(NO_FORK_SERVER_ENV):
+    if not forked:
         return None
     preload = dict.fromkeys(name for spec in forked for name in spec.preload)  # in order, once each
     return ForkServer([spec.worker for spec in forked], list(preload), log, worker_environment(os.environ))
