@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import errno
 import importlib
 import json
 import os

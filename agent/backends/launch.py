@@ -8,7 +8,6 @@ import errno
 import importlib.util
 import os
 import resource
-import signal
 import socket
 import subprocess
 from dataclasses import dataclass
