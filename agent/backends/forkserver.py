@@ -18,6 +18,10 @@ beside it or CUDA is initialised in it, and says so; the agent then starts worke
 thread pools (OpenBLAS's, started by importing numpy) carry their own fork handlers, as they must
 for multiprocessing's fork.
 
+What siblings share, as children of one process: str hashing's secret, and whatever the server's
+memory held, earlier requests included (other workers' credentials: no more than the same user reads
+in their /proc/PID/environ). Workers handed decrypted weights are never forked.
+
 Why not multiprocessing's forkserver: it hands each child a copy of its client's liveness pipe, so
 its server outlives a killed agent while any child lives (unless each child closed a descriptor
 that is multiprocessing's private business), and it runs a pickled callable under multiprocessing's
@@ -35,10 +39,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import importlib
 import json
 import os
 import runpy
+import select
 import selectors
 import signal
 import socket
@@ -53,7 +59,9 @@ import trio
 
 READY_TIMEOUT_S = 300.0  # the imports of a cold start on a slow disk
 ANSWER_TIMEOUT_S = 30.0  # a fork
-MAX_MESSAGE = 1 << 20  # a request is a command line and an environment
+MAX_MESSAGE = 1 << 20  # what the server reads of a request, at most (and the agent of an answer)
+MAX_REQUEST = 128 << 10  # a command line and an environment; larger: that worker starts as a new process
+# (within the sockets' default buffers, net.core.wmem_default, 208 KiB: one datagram must fit)
 STATUS = struct.Struct("<i")
 PR_SET_PDEATHSIG = 1
 
@@ -126,8 +134,10 @@ def serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None:
             pass
     why = _why_not_fork()
     _send(sock, {"ready": why is None, **({"why": why} if why else {})})
-    if why is not None:
-        return None
+    if why is not None:  # at once: a thread an import started may hold a normal exit up for good
+        sys.stderr.write(f"fork server: forking nothing: {why}\n")
+        sys.stderr.flush()
+        os._exit(0)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -148,7 +158,7 @@ def serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None:
                 _reap(statuses)
                 continue
             try:
-                data, fds, flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 2)
+                data, fds, flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 2, socket.MSG_CMSG_CLOEXEC)
             except InterruptedError:
                 continue
             if not data:
@@ -238,32 +248,57 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class ForkedProcess:
-    """A worker forked by the fork server, as the supervisor sees a process (launch.Process)."""
+    """A worker forked by the fork server, as the supervisor sees a process (launch.Process): its
+    exit status comes down its status pipe; a pipe closed empty means the server died, and the
+    kernel's SIGKILL (PR_SET_PDEATHSIG) reaches the worker a moment later, so it has ended only
+    once its pidfd says so."""
 
     def __init__(self, pid: int, pidfd: int, status: int) -> None:
-        self.pid, self._pidfd, self._status = pid, pidfd, status
+        self.pid, self._pidfd = pid, pidfd
+        self._status: int | None = status
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
+        if self.returncode is not None:
+            return self.returncode
+        if self._status is not None:
             try:
                 data = os.read(self._status, STATUS.size)
             except BlockingIOError:
                 return None
-            self._ended(data)
-        return self.returncode
+            os.close(self._status)
+            self._status = None
+            if len(data) == STATUS.size:
+                return self._ended(STATUS.unpack(data)[0])
+        if select.select([self._pidfd], [], [], 0)[0]:
+            return self._ended(-signal.SIGKILL)
+        return None
 
     async def wait(self) -> int:
-        while self.poll() is None:
-            await trio.lowlevel.wait_readable(self._status)
-        assert self.returncode is not None
-        return self.returncode
+        while (code := self.poll()) is None:
+            # A descriptor of this wait's own: poll() in another task (stop's) may close the pipe.
+            fd = os.dup(self._status if self._status is not None else self._pidfd)
+            try:
+                await trio.lowlevel.wait_readable(fd)
+            finally:
+                trio.lowlevel.notify_closing(fd)
+                os.close(fd)
+        return code
 
-    def _ended(self, data: bytes) -> None:
-        # Nothing written: the fork server died, and its child was sent SIGKILL with it.
-        self.returncode = STATUS.unpack(data)[0] if len(data) == STATUS.size else -signal.SIGKILL
-        os.close(self._status)
+    def abandon(self) -> None:
+        """Killed, and nothing of it kept (a launch cancelled once its worker was forked)."""
+        self.kill()
+        if self._status is not None:
+            os.close(self._status)
+            self._status = None
+        if self.returncode is None:
+            self.returncode = -signal.SIGKILL
+            os.close(self._pidfd)
+
+    def _ended(self, code: int) -> int:
+        self.returncode = code
         os.close(self._pidfd)
+        return code
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # by its pidfd: a pid the server has reaped may be another process's
@@ -298,7 +333,11 @@ class ForkServer:
                 and len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] in self.modules)
 
     async def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str]) -> ForkedProcess | None:
-        """The worker forked, or None when the server cannot (why_not says why): start it as before."""
+        """The worker forked, or None when the server cannot (why_not says why) or this request is
+        too large for its socket: start it as before."""
+        request = json.dumps({"module": argv[2], "args": list(argv[3:]), "env": dict(env)}).encode()
+        if len(request) > MAX_REQUEST:
+            return None
         async with self._lock:
             if self.sock is None and self.why_not is None:
                 await self._start()
@@ -307,11 +346,20 @@ class ForkServer:
             out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)  # OSError: as Popen's
             status_r, status_w = os.pipe()
             os.set_blocking(status_r, False)
-            request = {"module": argv[2], "args": list(argv[3:]), "env": dict(env)}
             try:
-                _send(self.sock, request, [status_w, out])
-                answer, fds = await self._receive(ANSWER_TIMEOUT_S)
-            except (OSError, ValueError, trio.TooSlowError) as exc:
+                # Shielded: a request sent is answered (within ANSWER_TIMEOUT_S) and its answer read;
+                # a launch cancelled between the two would leave a worker that no one supervises, and
+                # the next launch reading this one's answer.
+                with trio.CancelScope(shield=True):
+                    socket.send_fds(self.sock, [request], [status_w, out])
+                    answer, fds = await self._receive(ANSWER_TIMEOUT_S)
+            except OSError as exc:
+                os.close(status_r)
+                if exc.errno == errno.EMSGSIZE:  # over this system's socket buffer: this worker alone
+                    return None
+                self.close(f"the fork server stopped answering: {exc!r}", patience=0)
+                return None
+            except (ValueError, trio.TooSlowError) as exc:
                 os.close(status_r)
                 # A server that does not answer as it should is stopped: a late answer would be a
                 # worker no one supervises. What it forked dies with it, and is reported killed.
@@ -327,7 +375,13 @@ class ForkServer:
                 # A refusal: no more forks, and the server is kept for the workers it forked.
                 self.why_not = str(answer.get("error") or f"the fork server answered {answer!r}")
                 return None
-            return ForkedProcess(int(answer["pid"]), fds[0], status_r)
+            proc = ForkedProcess(int(answer["pid"]), fds[0], status_r)
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except trio.Cancelled:  # the caller was cancelled while its worker was forked: no one would supervise it
+            proc.abandon()
+            raise
+        return proc
 
     async def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -352,8 +406,11 @@ class ForkServer:
         except (OSError, ValueError, trio.TooSlowError) as exc:
             self.close(f"the fork server did not start: {exc!r}", patience=0)
             return
+        except BaseException:  # cancelled while it imports: dropped, and a later launch starts another
+            self._stop(patience=0)
+            raise
         if hello.get("ready") is not True:
-            self.close(str(hello.get("why") or f"the fork server said {hello!r}"))
+            self.close(str(hello.get("why") or f"the fork server said {hello!r}"), patience=0)
 
     async def _receive(self, timeout: float) -> tuple[dict[str, Any], list[int]]:
         assert self.sock is not None
@@ -361,7 +418,7 @@ class ForkServer:
             while True:
                 await trio.lowlevel.wait_readable(self.sock)
                 try:
-                    data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
+                    data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 1, socket.MSG_CMSG_CLOEXEC)
                 except BlockingIOError:
                     continue
                 break
@@ -376,6 +433,9 @@ class ForkServer:
         """No more forks; the server is stopped (its end of the socket closed, it exits: within
         `patience` seconds, else killed), and the workers it forked die with it."""
         self.why_not = self.why_not or why
+        self._stop(patience)
+
+    def _stop(self, patience: float) -> None:
         if self.sock is not None:
             self.sock.close()
             self.sock = None

@@ -470,6 +470,10 @@ class Workers:
         except OSError as exc:
             server.state, server.reason = "failed", f"could not start {server.argv[0]}: {exc}"
             return
+        if server.state != "starting":  # stopped while its launch waited (on the fork server's imports)
+            proc.kill()
+            await proc.wait()
+            return
         server.proc, server.pid = proc, proc.pid
         timed_out: list[str] = []
         async with trio.open_nursery() as nursery:

@@ -34,20 +34,20 @@ sys.exit(int(sys.argv[2]))
 """
 
 
+def ended(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"  # its parent has yet to reap it
+    except OSError:
+        return True
+
+
 def gone(pid: int, within: float = 10.0) -> bool:
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:
-            if open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z":
-                return True  # exited; its parent has yet to reap it
-        except OSError:
-            return True
+    while not ended(pid):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.05)
-    return False
+    return True
 
 
 @pytest.fixture
@@ -129,15 +129,17 @@ def test_the_workers_die_with_the_server(workdir: Path) -> None:
     async def main() -> tuple[int, int]:
         proc = await forks.launch(argv("sleep", "0"), workdir / "w.log", {"CUDA_VISIBLE_DEVICES": ""})
         assert proc is not None and forks.proc is not None, forks.why_not
+        while not (workdir / "w.log").read_text():
+            await trio.sleep(0.02)
         forks.proc.kill()
         return proc.pid, await proc.wait()
 
     try:
         pid, code = trio.run(main)
+        dead = ended(pid)  # told only once it has ended: its port is free for the next start
     finally:
         forks.close()
-    assert code == -signal.SIGKILL
-    assert gone(pid)
+    assert code == -signal.SIGKILL and dead
 
 
 AGENT = """
@@ -201,3 +203,71 @@ def test_only_a_module_of_its_own_on_no_gpu_is_forked(why: str, args: list[str],
     forks = server(workdir)
     assert forks.forks(argv("x"), {"CUDA_VISIBLE_DEVICES": ""}, ())
     assert not forks.forks(args, env, fds), why
+
+
+def test_two_waiters_and_a_poll_all_see_the_exit(workdir: Path) -> None:
+    """The supervisor waits on a worker while stop() polls it and waits too (a worker that outlives
+    its grace): each gets the exit, and the next worker's wait is not disturbed."""
+    forks = server(workdir)
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+
+    async def main() -> tuple[list[int], int]:
+        proc = await forks.launch(argv("sleep", "0"), workdir / "a.log", env)
+        assert proc is not None, forks.why_not
+        seen: list[int] = []
+
+        async def waiter() -> None:
+            seen.append(await proc.wait())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter)
+            nursery.start_soon(waiter)
+            await trio.sleep(0.2)
+            assert proc.poll() is None
+            proc.kill()
+            while proc.poll() is None:
+                await trio.sleep(0.01)
+        seen.append(proc.poll() or 0)
+        after = await forks.launch(argv("exit", "4"), workdir / "b.log", env)
+        assert after is not None
+        return seen, await after.wait()
+
+    try:
+        seen, code = trio.run(main)
+    finally:
+        forks.close()
+    assert seen == [-signal.SIGKILL] * 3 and code == 4
+
+
+def test_a_cancelled_launch_leaves_no_worker_without_a_handle(workdir: Path) -> None:
+    """Launches cancelled at every point of their way (the server's start, the request, the
+    answer): every worker the server runs is one a launch returned, and the protocol stays in step."""
+    forks = server(workdir)
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+
+    async def main() -> tuple[set[int], set[int], int]:
+        with trio.move_on_after(0.01):  # in the server's start: dropped, started again by the next
+            await forks.launch(argv("sleep", "0"), workdir / "first.log", env)
+        first = await forks.launch(argv("sleep", "0"), workdir / "first.log", env)
+        assert first is not None, forks.why_not
+        kept: list[ForkedProcess] = [first]
+        for i in range(40):
+            with trio.move_on_after(0.0005 * i):
+                proc = await forks.launch(argv("sleep", "0"), workdir / f"c{i}.log", env)
+                assert proc is not None, forks.why_not
+                kept.append(proc)
+        last = await forks.launch(argv("exit", "6"), workdir / "last.log", env)
+        assert last is not None and forks.proc is not None
+        code = await last.wait()
+        running = {int(c) for c in open(f"/proc/{forks.proc.pid}/task/{forks.proc.pid}/children").read().split()}
+        returned = {p.pid for p in kept}
+        for p in kept:
+            p.kill()
+            await p.wait()
+        return running, returned, code
+
+    try:
+        running, returned, code = trio.run(main)
+    finally:
+        forks.close()
+    assert running == returned and returned, (running, returned)
+    assert code == 6  # the last launch got its own answer, not an earlier one's
