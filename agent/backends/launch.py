@@ -120,6 +120,11 @@ def gpu_environment(gpus: Sequence[Mapping[str, Any]], legacy_gpu_ask: bool = Fa
     return {} if legacy_gpu_ask else {"CUDA_VISIBLE_DEVICES": ""}
 
 
+def _environment(env: Mapping[str, str]) -> dict[str, str]:
+    """A worker's whole environment, forked or not: the agent's less FLEET_*, then its own."""
+    return {**worker_environment(os.environ), **env, "PYTHONUNBUFFERED": "1"}
+
+
 def fork_server(specs: Iterable[LaunchSpec], log: Path) -> ForkServer | None:
     """The fork server for the workers of `specs` that name what to preload, or None when none does
     (every worker then starts as a new process)."""
@@ -188,7 +193,7 @@ class ProcessLauncher:
     async def launch(self, argv: Sequence[str], log: Path, env: Mapping[str, str],
                      keep_fds: Sequence[int] = ()) -> Process:
         if self.forks is not None and self.forks.forks(argv, env, keep_fds):
-            forked = await self.forks.launch(argv, log, {**worker_environment(os.environ), **env, "PYTHONUNBUFFERED": "1"})
+            forked = await self.forks.launch(argv, log, _environment(env))
             if forked is not None:
                 return forked
         return self.start(argv, log, env, keep_fds)
@@ -203,7 +208,7 @@ class ProcessLauncher:
             proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     preexec_fn=_die_with_parent_no_core if keep_fds else die_with_parent,
                                     pass_fds=tuple(keep_fds),
-                                    env={**worker_environment(os.environ), **env, "PYTHONUNBUFFERED": "1"})
+                                    env=_environment(env))
         return PopenProcess(proc)
 
     async def answers(self, url: str, credential: str) -> bool:
