@@ -42,13 +42,14 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         return None
 
 
-# The modules that take longest (wall time, measured with -n 2: test_demo ~290 s, test_pipeline
-# ~150 s, the rest 70-95 s each), first: pytest-xdist hands modules out in collection order, and
-# one of them started last was the whole run's tail (test_demo alone for its last ~4 minutes).
-SLOWEST = ("tests/e2e/test_demo.py", "tests/e2e/test_pipeline.py", "tests/e2e/test_plan_apply.py",
-           "tests/e2e/test_packaging.py", "tests/integration/test_weights.py",
-           "tests/integration/test_pipeline_stage.py", "tests/e2e/test_day_to_day.py",
-           "tests/e2e/test_corrupt_served.py")
+# The modules that take longest (wall time, measured with -n 4 on 2 cores: test_packaging ~190 s,
+# test_pipeline ~140, test_demo ~115 with its model converted and ~200 without, the rest 55-115),
+# first: pytest-xdist hands modules out in collection order, and one of them started last was the
+# whole run's tail (test_demo alone for its last ~4 minutes).
+SLOWEST = ("tests/e2e/test_demo.py", "tests/e2e/test_packaging.py", "tests/e2e/test_pipeline.py",
+           "tests/e2e/test_plan_apply.py", "tests/e2e/test_gpus.py", "tests/integration/test_weights.py",
+           "tests/e2e/test_adapter_pipeline.py", "tests/e2e/test_corrupt_served.py", "tests/e2e/test_adapter.py",
+           "tests/e2e/test_serve.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -70,11 +71,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: one worker more than the cores this process may run on, at most four. The
-    end-to-end tests spend much of their time waiting on the processes they start (a worker's
-    start, an apply's steps), and a core per worker left a fifth of the 2-core machine idle: the
-    whole suite took 12 min 8 s with 2 workers, 10 min 37 s with 3 (README)."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) + 1))
+    """`-n auto`: two workers a core this process may run on, at most four. The end-to-end tests
+    spend much of their time waiting on the processes they start (a worker's start, an apply's
+    steps): with a worker a core, a fifth of the 2-core machine sat idle (the suite 12 min 8 s with
+    2 workers, 10 min 37 s with 3, 8 min 45 s with 4 and the fork server; README)."""
+    return max(1, min(4, 2 * len(os.sched_getaffinity(0))))
 
 
 @pytest.fixture
