@@ -7,11 +7,10 @@ import them anew (bench/worker_start.py measures both).
 A worker forked here gets what `subprocess.Popen` gives one (agent/backends/launch.py): its command
 line run as `python -m` runs it (runpy), exactly the environment it was sent, stdout and stderr
 appended to its log, stdin from /dev/null, the agent's working directory (the server's: the agent
-never changes its own), death with its parent
-(PR_SET_PDEATHSIG; the server itself dies with the agent), and its exit status told to the agent
-(negative: the signal that killed it). The agent forks only workers given no GPU: CUDA cannot be used
-in a child forked after its parent touched it, and the server's own environment hides every GPU from
-whatever its imports probe.
+never changes its own), death with its parent (PR_SET_PDEATHSIG; the server itself dies with the
+agent), and its exit status told to the agent (negative: the signal that killed it). The agent
+forks only workers given no GPU: CUDA cannot be used in a child forked after its parent touched it,
+and the server's own environment hides every GPU from whatever its imports probe.
 
 A fork copies only the thread that forks. The server refuses to fork once a Python thread runs
 beside it or CUDA is initialised in it, and says so; the agent then starts workers as before. Native
@@ -28,11 +27,11 @@ that is multiprocessing's private business), and it runs a pickled callable unde
 bootstrap, where a worker here is a command line with its own environment, log and exit status.
 
 The wire, a SOCK_SEQPACKET pair, one JSON message a datagram: the server first says {"ready": true}
-(or false, with "why"). Then, for each request {"module", "args", "env"},
-sent with two descriptors (the write end of the child's status pipe, and its log opened for
-appending), it answers {"pid": N} with the child's pidfd, or {"error": why}. When a child exits, its status (a signed 32-bit integer) is written
-to its status pipe, which is then closed; a pipe closed with nothing in it means the server died, and
-with it the child (PR_SET_PDEATHSIG: SIGKILL).
+(or false, with "why"). Then, for each request {"module", "args", "env"}, sent with two descriptors
+(the write end of the child's status pipe, and its log opened for appending), it answers
+{"pid": N} with the child's pidfd, or {"error": why}. When a child exits, its status (a signed
+32-bit integer) is written to its status pipe, which is then closed; a pipe closed with nothing in
+it means the server died, and with it the child (PR_SET_PDEATHSIG: SIGKILL).
 """
 
 from __future__ import annotations
@@ -422,11 +421,16 @@ class ForkServer:
                 except BlockingIOError:
                     continue
                 break
-        if not data:
-            raise ValueError("the fork server closed its end (see its log)")
-        answer = json.loads(data)
-        if not isinstance(answer, dict):
-            raise ValueError(f"the fork server said {answer!r}")
+        try:
+            if not data:
+                raise ValueError("the fork server closed its end (see its log)")
+            answer = json.loads(data)
+            if not isinstance(answer, dict):
+                raise ValueError(f"the fork server said {answer!r}")
+        except ValueError:
+            for fd in fds:
+                os.close(fd)
+            raise
         return answer, fds
 
     def close(self, why: str = "closed", patience: float = 5.0) -> None:
