@@ -30,11 +30,11 @@ from net import sockio
 from net.http1 import SLICE, Admit, Limits, Parser, Refused, Request, error_response, response_head
 from net.streams import ByteStream, PlainStream, ServerTls
 
-__all__ = ["Server", "Limits"]
+__all__ = ["Server", "Limits", "connection_cap"]
 
 READ = 64 * 1024
 ACCEPT_ROW = 64  # connections accepted in a row before the accepting task yields
-LINGER_MAX = 32  # busy refusals lingering at once (the caller's descriptor reserve counts them)
+LINGER_MAX = 32  # busy refusals lingering at once (connection_cap keeps their descriptors)
 WARN_EVERY_S = 10.0  # a refusal or an eviction is logged at most this often
 # The ASGI scope extension that hands an app the connection's own socket (the agent's blob
 # answers send their bodies by sendfile on it): {"socket": socket.socket}. The server owns it: an
@@ -47,6 +47,14 @@ LINGER_S = 1.0  # a refused client's bytes are read (and dropped) this long, so 
 # the client sends is read and dropped (within LINGER_S) before closing: enough for the refusal
 # to reach a client that is still sending, not enough to take in the body it refused.
 REFUSED_LINGER_BYTES = 64 * 1024
+
+
+def connection_cap(nofile: int, reserved: int, per_connection: int = 2) -> int:
+    """Connections a server of this package holds at once, from the process's soft RLIMIT_NOFILE:
+    what is left after `reserved` (the process's own descriptors, which the caller counts) and the
+    busy refusals still lingering (LINGER_MAX), divided by the descriptors a connection may hold
+    (its socket and one more: a relayed stream's upstream, a blob answer's file); never under 16."""
+    return max(16, (nofile - reserved - LINGER_MAX) // per_connection)
 
 
 class ClientGone(Exception):

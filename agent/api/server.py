@@ -27,7 +27,8 @@ from starlette.types import ASGIApp, Scope
 from host.descriptors import raise_descriptor_limit
 from net import sockio
 from net.http1 import Limits
-from net.server import LINGER_MAX, Server
+from net.server import Server
+from net.server import connection_cap as net_connection_cap
 from net.streams import ServerTls, TlsFiles
 
 from agent.machine.identity import Identity
@@ -37,11 +38,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fleet-agent")
 
-# Descriptors kept out of inbound connections' reach: stdio, epoll, trio's wake-up pair, the signal
-# pipe, the listener and the log (~16); fetches (a connection to the peer and the part file each),
-# workers (their pipes and the connection to their port), files being verified, refusals
-# lingering (LINGER_MAX, 32).
-RESERVED_FDS = 96 + LINGER_MAX
+# Descriptors kept out of inbound connections' reach (net/server.py's connection_cap adds the
+# refusals still lingering): stdio, epoll, trio's wake-up pair, the signal pipe, the listener and
+# the log (~16); fetches (a connection to the peer and the part file each), workers (their pipes
+# and the connection to their port), files being verified.
+RESERVED_FDS = 96
 IDLE_S = 10.0  # a connection's first byte of a head within this (again between requests, until it shows the secret)
 HEAD_S = 10.0  # a request's whole head within this of its first byte
 KEEP_ALIVE_S = 120.0  # an authenticated connection idle between requests is closed after this long
@@ -50,12 +51,11 @@ CONTROL_RESERVE = 16  # places only the control plane's addresses (--control-pla
 
 
 def connection_cap(nofile: int) -> int:
-    """Connections held at once, from the soft RLIMIT_NOFILE: what the reserve leaves, halved,
-    since a blob answer holds two descriptors (the connection and its file; the socket its body is
-    sent on is the server's own, net/server.py's SOCKET_EXTENSION, where it was a third, a
-    duplicate found by scanning /proc/self/fd). 1,024 (the usual default) gives 448; 65,536 (what
-    the agent raises it to where the hard limit allows) 32,704."""
-    return max(16, (nofile - RESERVED_FDS) // 2)
+    """Connections held at once, from the soft RLIMIT_NOFILE: a blob answer holds two descriptors
+    (the connection and its file; the socket its body is sent on is the server's own, net/server.py's
+    SOCKET_EXTENSION). 1,024 (the usual default) gives 448; 65,536 (what the agent raises it to where
+    the hard limit allows) 32,704."""
+    return net_connection_cap(nofile, RESERVED_FDS)
 
 
 def _address(text: str) -> str:

@@ -1,6 +1,6 @@
 """`fleet observe`, `plan`, `apply`, `serve`: load, observe, plan, show, execute, and exit codes;
 under --json one document on stdout whatever happens (a refusal is a Failure: reconciler/cli/outcome.py).
-(`nodes`, `alerts` and `unlock` read the state directory: reconciler/cli/tables.py.)"""
+(`nodes`, `alerts` and `unlock` read the state directory: reconciler/cli/statecmds.py.)"""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def cmd_apply(args: argparse.Namespace, path: str) -> int:
     from reconciler.applying.drain import Drainer
     from reconciler.state.sql import StateError
     from reconciler.state.store import LockHeld
-    from reconciler.cli.tables import open_store
+    from reconciler.cli.statecmds import open_store
 
     loaded = _load(path)
     if args.planfile and getattr(args, "target", None):
@@ -312,7 +312,7 @@ def cmd_serve(args: argparse.Namespace, path: str) -> int:
 
     from reconciler.serve.run import ServeRefused, serve
     from reconciler.state.pg import SharedStore
-    from reconciler.cli.tables import open_store
+    from reconciler.cli.statecmds import open_store
 
     loaded = _load(path)
     desired = loaded.desired

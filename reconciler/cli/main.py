@@ -67,11 +67,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return cmd_demo(args)
     if name in ("unlock", "nodes", "alerts"):  # the state directory's tables: nothing of plan's
-        from reconciler.cli import tables
+        from reconciler.cli import statecmds
 
         if name == "unlock":
-            return tables.cmd_unlock(args)
-        return int(getattr(tables, f"cmd_{name}")(args, config_path(args)))
+            return statecmds.cmd_unlock(args)
+        return int(getattr(statecmds, f"cmd_{name}")(args, config_path(args)))
     from reconciler.cli import commands
 
     return int(getattr(commands, f"cmd_{name}")(args, config_path(args)))

@@ -16,7 +16,8 @@ from typing import Callable
 from starlette.types import ASGIApp
 
 from net.http1 import Admit, Limits
-from net.server import LINGER_MAX, Server
+from net.server import Server
+from net.server import connection_cap as net_connection_cap
 from net.streams import ServerTls
 
 __all__ = ["Front", "Limits", "connection_cap"]
@@ -24,9 +25,9 @@ __all__ = ["Front", "Limits", "connection_cap"]
 # Descriptors kept out of the clients' reach. fleet serve's own: stdio, epoll, trio's wake-up
 # pair, the signal pipe, the state database and its journal, the log, the listeners (~32, 64
 # kept); the heartbeat's agent calls, one plain connection each, observe's concurrency (64); the
-# router's pooled idle connections to workers (net/client.py's Pool; 100 kept); busy refusals
-# still lingering (LINGER_MAX, 32).
-RESERVED_FDS = 64 + 64 + 100 + LINGER_MAX
+# router's pooled idle connections to workers (net/client.py's Pool; 100 kept).
+# net/server.py's connection_cap adds the refusals still lingering.
+RESERVED_FDS = 64 + 64 + 100
 
 
 def connection_cap(nofile: int | None = None) -> int:
@@ -36,7 +37,7 @@ def connection_cap(nofile: int | None = None) -> int:
     if nofile is None:
         nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         nofile = 1 << 20 if nofile == resource.RLIM_INFINITY else nofile
-    return max(16, (nofile - RESERVED_FDS) // 2)
+    return net_connection_cap(nofile, RESERVED_FDS)
 
 
 class Front(Server):

@@ -530,7 +530,8 @@ def test_at_the_cap_with_every_connection_busy_a_new_one_gets_503_and_is_closed(
 
 
 def test_the_connection_cap_follows_the_descriptor_limit() -> None:
+    from net.server import LINGER_MAX
     from reconciler.serve.front import RESERVED_FDS, connection_cap
 
-    assert connection_cap(1024) == (1024 - RESERVED_FDS) // 2 and connection_cap(65536) > 32000
+    assert connection_cap(1024) == (1024 - RESERVED_FDS - LINGER_MAX) // 2 == 382 and connection_cap(65536) > 32000
     assert connection_cap(100) == 16  # never none at all

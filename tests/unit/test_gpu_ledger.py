@@ -134,7 +134,7 @@ def test_fleet_plan_prints_the_gpus_it_reserves_on(tmp_path: Path, monkeypatch: 
 
 
 def test_nodes_wide_shows_each_gpus_servers() -> None:
-    from reconciler.cli.tables import _columns
+    from reconciler.cli.statecmds import _columns
 
     servers = {"chat@a": ObservedServer("chat@a", "running", "sha256:x", 9000, {}, gpus=((1, "GPU-1", 60 * GIB),)),
                "old@a": ObservedServer("old@a", "failed", "sha256:x", 9001, {}, gpus=((1, "GPU-1", 9 * GIB),))}

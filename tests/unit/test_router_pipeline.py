@@ -23,7 +23,7 @@ from reconciler.serve.heartbeat import Heartbeat, View
 from reconciler.serve.router import Router
 from reconciler.state.store import StateStore
 from tests.unit.test_router import asgi_fetch
-from reconciler.cli.tables import cmd_nodes
+from reconciler.cli.statecmds import cmd_nodes
 
 DIGEST = "sha256:" + "1" * 64
 SLICES = {"a": "sha256:" + "a" * 64, "b": "sha256:" + "b" * 64, "c": "sha256:" + "c" * 64}
