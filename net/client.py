@@ -1,7 +1,7 @@
 """fleet's one HTTP/1.1 client: connect (plain or TLS, a bounded wait), send a request, read the
-head (wire/http.py's split_head, bounded), then the body by its framing (chunked, Content-Length or
-to the end of the connection), decoded by httptools' response parser (llhttp, the parser of the
-server side in net/http1.py), fed each read as it arrives.
+answer's head (bounded), then its body by its framing (chunked, Content-Length or to the end of the
+connection), all of it in one pass of httptools' response parser (llhttp, net/http1.py's
+ResponseReader, the codec of the server side too), fed each read as it arrives.
 
 Modes: a `Response` yields the body as it arrives (`read`: everything that has arrived, in one
 piece, so chunks coalesce when the reader is behind instead of queueing; the router's relay),
@@ -30,13 +30,11 @@ import httptools
 import trio
 
 from wire.floor import Floor, pace
-from wire.http import MAX_HEAD, HeadError, HeadTooLarge, content_length, is_chunked, split_head
-
 from net import sockio
+from net.http1 import MAX_HEAD, HeadError, HeadTooLarge, ResponseReader, content_length, is_chunked
 from net.tls import client_context
 
 READ = 64 * 1024
-MAX_INTERIM = 8  # interim answers (100 Continue, 103 Early Hints) taken before an answer
 CONNECT_TIMEOUT = 5.0
 WHOLE_LIMIT = 64 << 20  # a whole answer larger than this is refused, not buffered (fetch's default)
 # Bulk bodies (Response.into): read this much at a time on the event loop; bodies larger than BULK
@@ -55,7 +53,7 @@ NAP_S = 0.002
 class ClientError(Exception):
     """The exchange failed. `started` is false when nothing of the answer was received (so the
     request may be tried elsewhere), true once any of it was. `__cause__` is what failed beneath
-    (an OSError, wire/http.py's HeadError, the TLS error), for callers that class failures."""
+    (an OSError, net/http1.py's HeadError, the TLS error), for callers that class failures."""
 
     def __init__(self, message: str, *, started: bool) -> None:
         super().__init__(message)
@@ -145,28 +143,27 @@ class Pool:
         self.count = 0
 
 
-class Response:
-    """The answer to one request: `data` is everything read so far, its head included (split_head
-    gave `status` and `headers`, names lower-cased); llhttp is fed all of it and frames the body.
+class Response(ResponseReader):
+    """The answer to one request, read by llhttp (ResponseReader): `send` feeds it until its head
+    is whole (`status`, and `headers` with names lower-cased), the same pass goes on into the body.
     `peer` names the other end in errors ("the worker")."""
 
-    def __init__(self, conn: Connection, status: int, headers: dict[str, str], data: bytes,
-                 pool: Pool | None = None, peer: str = "the server") -> None:
-        self.conn, self.status, self.headers = conn, status, headers
-        self.pool, self.peer = pool, peer
+    def __init__(self, conn: Connection, pool: Pool | None = None, peer: str = "the server",
+                 max_head: int = MAX_HEAD) -> None:
+        super().__init__(max_head)
+        self.conn, self.pool, self.peer = conn, pool, peer
         self.reusable = False  # set when the body ended cleanly on a keep-alive connection
-        self.chunked = is_chunked(headers)
-        self._left = None if self.chunked else content_length(headers)  # MalformedHead for anything but digits
-        self.length = self._left  # the body's Content-Length (None: chunked, or to the end of the connection)
-        self._parser = httptools.HttpResponseParser(self)
+        self.chunked = False
+        self._left: int | None = None
+        self.length: int | None = None  # the body's Content-Length (None: chunked, or to the end of the connection)
         self._body: list[bytes] = []
         self._done = self._complete = False
         self._after_chunk_header = False  # a chunk's size line came and none of its data yet
         self._probing = False
-        try:
-            self._feed(data)
-        except ClientError as exc:  # nothing of the body was taken yet
-            raise ClientError(str(exc), started=False) from exc.__cause__
+
+    def head_done(self) -> None:
+        self.chunked = is_chunked(self.headers)
+        self._left = self.length = None if self.chunked else content_length(self.headers)
 
     @property
     def sock(self) -> socket.socket:
@@ -283,11 +280,7 @@ class Response:
             self.reusable = False  # bytes after the answer: the connection is not clean
             return
         try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade as exc:  # not an HttpParserError: a 101, or an Upgrade answered
-            self.reusable = False
-            raise ClientError(f"{self.peer} switched protocols ({self.status}), which fleet does not speak",
-                              started=True) from exc
+            self.feed(data)  # HeadError while the head is not whole (send's to report)
         except httptools.HttpParserError as exc:
             if self._complete:  # the answer ended and more came after it
                 self.reusable = False
@@ -306,7 +299,7 @@ class Response:
             if self._after_chunk_header:
                 self._probing = True
                 try:
-                    self._parser.feed_data(b"\r\n")
+                    self.parser.feed_data(b"\r\n")
                 except httptools.HttpParserError:
                     pass
                 self._probing = False
@@ -336,12 +329,12 @@ class Response:
             self._left -= len(body)
         self._body.append(body)
 
-    def on_message_complete(self) -> None:
+    def body_done(self) -> None:
         if self._probing:
             self._complete = True
             return
         self._complete = self._done = True
-        self.reusable = self._parser.should_keep_alive()
+        self.reusable = self.parser.should_keep_alive()
 
 
 def _stalled(floor: Floor, before: int, peer: str) -> Stalled:
@@ -515,36 +508,22 @@ async def send(conn: Connection, method: str, target: str, *, body: bytes = b"",
     host, port = conn.key
     try:
         await conn.send(encode(method, host, port, target, body, headers, pool is not None))
-        buf, seen, interim = bytearray(), 0, 0
-        while True:
-            # split_head only once the head's end has come (or the bound is passed): a head that came
-            # a byte a read cost a search of the whole of it each read (1.4 CPU-s for 64 KiB).
-            if buf.find(b"\r\n\r\n", seen) < 0:
-                if len(buf) > max_head + 3:
-                    split_head(bytes(buf), max_head)  # HeadTooLarge
-                more = await conn.receive(READ)
-                if not more:
-                    raise Closed(f"{host}:{port} closed the connection without answering", started=False)
-                seen = max(0, len(buf) - 3)  # the head's end may straddle the reads
-                buf += more
-                continue
-            split = split_head(bytes(buf), max_head)
-            assert split is not None  # its end has come
-            head, rest = split
-            if 100 <= head.status < 200 and head.status != 101:  # an interim answer: the answer follows
-                interim += 1
-                if interim > MAX_INTERIM:
-                    raise ClientError(f"{host}:{port} sent {interim} interim answers and no answer", started=True)
-                buf, seen = bytearray(rest), 0
-                continue
-            break
-        return Response(conn, head.status, head.headers, bytes(buf), pool, peer)
+        response = Response(conn, pool, peer, max_head)
+        while not response.head_whole:
+            more = await conn.receive(READ)
+            if not more:
+                raise Closed(f"{host}:{port} closed the connection without answering", started=False)
+            try:
+                response._feed(more)
+            except ClientError as exc:  # the body's framing, in the read that ended the head: nothing of it taken yet
+                raise ClientError(str(exc), started=False) from exc.__cause__
+        return response
     except (trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
         conn.close()
         raise ClientError(f"{host}:{port}: {exc}", started=False) from exc
     except HeadError as exc:
         conn.close()
-        why = "an oversized response head" if isinstance(exc, HeadTooLarge) else f"a {exc}"
+        why = "an oversized response head" if isinstance(exc, HeadTooLarge) else str(exc)
         raise ClientError(f"{host}:{port} sent {why}", started=False) from exc
     except BaseException:
         conn.close()

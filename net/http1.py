@@ -1,5 +1,8 @@
-"""The server's pure part (net/server.py): HTTP/1.1 requests parsed by httptools (llhttp) into whole requests, the
-limits one client is held to, and the bytes of every refusal. No sockets, no trio."""
+"""fleet's one HTTP/1.1 codec, parsed by httptools (llhttp) both ways. The server's part
+(net/server.py): requests gathered into whole requests, the limits one client is held to, and the
+bytes of every refusal. The clients' part (net/client.py, and the control plane's agent calls,
+reconciler/agents/transport.py and batch.py): a response's head, bounded, read as it arrives and
+handed on with the body's framing to llhttp's same pass. No sockets, no trio."""
 
 from __future__ import annotations
 
@@ -243,3 +246,122 @@ def check_host(r: Request, hosts: list[bytes] | None = None) -> None:
         raise Refused(400, "an HTTP/1.1 request must have a Host header (RFC 9112 3.2)", "invalid_host")
     if hosts and not HOST.fullmatch(hosts[0].strip()):
         raise Refused(400, f"the Host header {hosts[0][:100].decode('latin-1')!r} is not a host[:port]", "invalid_host")
+
+
+# -- responses: the clients' part ------------------------------------------------------------------
+
+MAX_HEAD = 64 * 1024  # a response head (status line and headers) larger than this is refused
+MAX_INTERIM = 8  # interim answers (100 Continue, 103 Early Hints) passed over before an answer
+
+
+class HeadError(ValueError):
+    """A response head that cannot be used; the subclass says why."""
+
+
+class HeadTooLarge(HeadError):
+    """More than the limit arrived without the blank line that ends a head."""
+
+
+class MalformedHead(HeadError):
+    """llhttp refused the head (its status line, a header, the framing headers), or it switched
+    protocols, or it was one interim answer too many. The message says which, article first."""
+
+
+class ResponseReader:
+    """One answer read as its bytes arrive (`feed`), through llhttp: once its head is whole,
+    `head_whole`, `status` and `headers` (names lower-cased), and the head_done hook; interim
+    1xx answers are passed over (at most MAX_INTERIM). The body goes to the subclass's on_body and
+    on_message_complete, called by the same pass of llhttp that read the head, so the head is
+    parsed once and the body framed as llhttp frames it. Before the head is whole, every failure is
+    a HeadError: HeadTooLarge past `max_head` bytes (counted as the server's Parser counts a
+    request's), MalformedHead where llhttp refuses the bytes; after it, llhttp's own errors
+    (httptools.HttpParserError) are the caller's to judge."""
+
+    def __init__(self, max_head: int = MAX_HEAD) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.max_head = max_head
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.head_whole = False
+        self.interim = 0
+        self._head: list[tuple[bytes, bytes]] = []
+        self._reason = b""
+        self._status_line = False  # llhttp took a status line
+        self._head_bytes = 0  # an upper bound on the head's size until it is whole
+
+    def feed(self, data: bytes) -> None:
+        whole = self.head_whole
+        if not whole:
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            why = exc.__cause__ or exc.__context__  # what a callback raised
+            if isinstance(why, HeadError):
+                raise why from None
+            raise
+        except httptools.HttpParserUpgrade:
+            raise MalformedHead(f"answer that switched protocols ({self.status}), which fleet does not speak") from None
+        except httptools.HttpParserError as exc:
+            if whole or self.head_whole:
+                raise
+            raise MalformedHead(self._malformed(str(exc))) from None
+        if not self.head_whole and self._head_bytes > self.max_head + 4:  # the blank line that ends it is not counted
+            raise HeadTooLarge(f"response head over {self.max_head} bytes")
+
+    def _malformed(self, why: str) -> str:
+        if "Content-Length" in why:
+            return f"a malformed Content-Length (llhttp: {why})"
+        if not self._status_line:
+            return f"a malformed HTTP status line (llhttp: {why})"
+        return f"a malformed response head (llhttp: {why})"
+
+    def head_done(self) -> None:
+        """Called once the answer's head is whole (status and headers set), before its body."""
+
+    # httptools callbacks
+
+    def on_status(self, reason: bytes) -> None:
+        self._status_line = True
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        size = len(self._reason) + 13  # "HTTP/1.1 200 " and the reason
+        for name, value in self._head:
+            size += len(name) + len(value) + 4
+        if size > self.max_head:
+            raise HeadTooLarge(f"response head over {self.max_head} bytes")
+        if status < 100:
+            raise MalformedHead(f"a malformed HTTP status line (status {status})")
+        if status < 200 and status != 101:  # an interim answer: the answer follows on the same bytes
+            self.interim += 1
+            if self.interim > MAX_INTERIM:
+                raise MalformedHead(f"{self.interim} interim answers and no answer")
+            self._head, self._reason, self._status_line, self._head_bytes = [], b"", False, 0
+            return
+        self.status = status
+        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1").strip() for k, v in self._head}
+        self._head, self.head_whole = [], True
+        self.head_done()
+
+    def on_message_complete(self) -> None:
+        if self.head_whole:  # not an interim answer's end
+            self.body_done()
+
+    def body_done(self) -> None:
+        """Called when the answer's body has ended by its framing (not for one that ends with the connection)."""
+
+
+def is_chunked(headers: dict[str, str]) -> bool:
+    """Whether the body comes in chunked framing (lower-cased header names, as ResponseReader has them)."""
+    return "chunked" in headers.get("transfer-encoding", "").lower()
+
+
+def content_length(headers: dict[str, str]) -> int | None:
+    """The declared body length (llhttp has refused any but plain digits); None when absent."""
+    text = headers.get("content-length")
+    return None if text is None else int(text)

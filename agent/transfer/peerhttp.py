@@ -19,9 +19,9 @@ from urllib.parse import urlsplit
 import trio
 
 from net import client
+from net.http1 import MAX_HEAD, HeadTooLarge, MalformedHead
 from net.tls import client_context
 from wire.floor import FLOOR_S, pace
-from wire.http import MAX_HEAD, HeadTooLarge, MalformedHead
 
 BULK = client.BULK  # bodies larger than this are received in a worker thread (over plain TCP)
 PATIENCE = FLOOR_S  # the connection, the answer's head, and each floor's worth of its body (wire/floor.py)
@@ -152,7 +152,7 @@ def _failed(exc: client.ClientError, base: str, path: str) -> PeerError:
     if isinstance(cause, HeadTooLarge):
         return PeerError(f"peer {base} sent an oversized response head for {path}")
     if isinstance(cause, MalformedHead):
-        return PeerError(f"peer {base} sent a {cause} for {path}")
+        return PeerError(f"peer {base} sent {cause} for {path}")
     if isinstance(cause, (OSError, trio.BrokenResourceError, trio.ClosedResourceError)):
         return PeerError(f"connection to peer {base} broke during {path}: {cause}", resumable=True)
     return PeerError(f"{exc} for {path}")

@@ -7,8 +7,8 @@ our layers' coroutines per call: at 2,000 simulated agents answering 304, 0.30-0
 node for the observation, against 0.16-0.17 for a bare epoll loop over the same sockets, and
 0.20-0.22 for the observation through this module (bench/plan_scale; trio waiting on this epoll
 as one file, with a cancel scope per wake, still cost 0.30). Each call keeps its own deadline, and
-the answer is read by the same rules as transport.read_response (tests/unit/test_burst.py checks
-both at every cut)."""
+the answer is read by transport.AgentAnswer, as transport.read_response reads it
+(tests/unit/test_batch.py checks both at every cut)."""
 
 from __future__ import annotations
 
@@ -24,13 +24,10 @@ from typing import Sequence
 
 import trio
 
-from wire import live
-from wire.http import HeadTooLarge, MalformedHead, ResponseHead, split_head
-
+from net.sockio import numeric_family
 from reconciler.agents.errors import AgentProtocolError, NodeUnreachable
 from reconciler.core.desired import NodeSpec
-from net.sockio import numeric_family
-from reconciler.agents.transport import ANSWER_LIMIT, READ, AgentRequest
+from reconciler.agents.transport import READ, AgentAnswer, AgentRequest
 
 
 POLL_MAX_S = 3600.0  # the longest one wait in epoll, whatever the calls' deadlines
@@ -48,59 +45,12 @@ def batchable(node: NodeSpec) -> bool:
     return not node.tls and numeric_family(node.address) is not None
 
 
-class Reader:
-    """One response read as it arrives: feed() what came (b"" at the connection's end) until it
-    returns (status, body); a 304's body is its fleet-live header's value, as read_response gives it."""
-
-    __slots__ = ("node", "buf", "head", "want")
-
-    def __init__(self, node: NodeSpec) -> None:
-        self.node = node
-        self.buf = bytearray()
-        self.head: ResponseHead | None = None
-        self.want: int | None = None  # the body's length; None: up to the connection's end
-
-    def feed(self, data: bytes) -> tuple[int, bytes] | None:
-        node, ended = self.node, not data
-        self.buf += data
-        if self.head is None:
-            try:
-                split = split_head(bytes(self.buf))
-                if split is None:
-                    if ended:
-                        raise NodeUnreachable(node, "the connection closed before an answer")
-                    return None
-                self.head, body = split
-                if self.head.chunked:
-                    raise AgentProtocolError(node, "a chunked answer, which fleet-agent never sends (is a proxy in "
-                                                   "between?)")
-                if self.head.status == 304:
-                    return 304, self.head.headers.get(live.HEADER, "").encode("latin-1")
-                self.want = 0 if self.head.status == 204 else self.head.content_length()
-            except HeadTooLarge:
-                raise AgentProtocolError(node, "an oversized response head") from None
-            except MalformedHead as exc:
-                raise AgentProtocolError(node, f"a {exc}") from None
-            if (self.want or 0) > ANSWER_LIMIT:
-                raise AgentProtocolError(node, f"an answer over {ANSWER_LIMIT >> 20} MiB")
-            self.buf = bytearray(body)
-        if len(self.buf) > ANSWER_LIMIT:
-            raise AgentProtocolError(node, f"an answer over {ANSWER_LIMIT >> 20} MiB")
-        if self.want is None:
-            return (self.head.status, bytes(self.buf)) if ended else None
-        if len(self.buf) >= self.want:
-            return self.head.status, bytes(self.buf[:self.want])
-        if ended:
-            raise NodeUnreachable(node, f"the connection closed after {len(self.buf)} of {self.want} bytes")
-        return None
-
-
 class _Call:
-    __slots__ = ("index", "sock", "unsent", "reader", "deadline", "done")
+    __slots__ = ("index", "sock", "unsent", "answer", "deadline", "done")
 
     def __init__(self, index: int, sock: socket.socket, unsent: memoryview, node: NodeSpec, deadline: float) -> None:
         self.index, self.sock, self.unsent, self.deadline, self.done = index, sock, unsent, deadline, False
-        self.reader = Reader(node)
+        self.answer = AgentAnswer(node)
 
 
 async def exchange_all(requests: Sequence[AgentRequest], *, concurrency: int, timeout: float) -> list[Result]:
@@ -185,9 +135,9 @@ def _exchange_all(requests: Sequence[AgentRequest], concurrency: int, timeout: f
                 data = sock.recv(READ)
             except BlockingIOError:
                 return
-            answer = call.reader.feed(data)
+            answer = call.answer.take(data)
             if answer is not None:
-                finish(call, answer)
+                finish(call, answer[:2])
         except (OSError, NodeUnreachable, AgentProtocolError) as exc:
             finish(call, exc)
 

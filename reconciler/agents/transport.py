@@ -16,10 +16,12 @@ from urllib.parse import unquote
 import trio
 from starlette.types import ASGIApp, Message
 
+import httptools
+
 from wire import live
-from wire.http import HeadTooLarge, MalformedHead, split_head
 
 from net import sockio
+from net.http1 import HeadError, HeadTooLarge, ResponseReader, content_length, is_chunked
 from net.tls import client_context
 from reconciler.agents.errors import AgentProtocolError, NodeUnreachable
 from reconciler.core.desired import NodeSpec
@@ -213,43 +215,94 @@ async def read_response(node: NodeSpec, receive: Receive) -> tuple[int, bytes, b
     """read_answer, and whether the connection may carry another request (the answer was framed
     by its length, and the agent did not say it closes). A 304 has no body: in its place comes its
     fleet-live header's value (wire/live.py), the one part of its head the client reads."""
-    buf = b""
-    try:
-        while (split := split_head(buf)) is None:
-            more = await receive(READ)
-            if not more:
+    more = bytes(await receive(READ))
+    if more.startswith(b"HTTP/1.1 304 ") and more.endswith(b"\r\n\r\n") and b"\r\n\r\n" not in more[:-4]:
+        # The answer of a quiet heartbeat, whole in its first read: nothing in its head matters but
+        # a close and the live values (a tenth of a quiet beat's CPU went to parsing these heads).
+        low = more.lower()
+        return 304, _live(more, low), b"connection: close" not in low
+    answer = AgentAnswer(node)
+    while (got := answer.take(more)) is None:
+        more = bytes(await receive(READ))
+    return got
+
+
+class AgentAnswer(ResponseReader):
+    """One agent's answer read as it arrives (`take`), through net/http1.py's ResponseReader
+    (llhttp): its body gathered up to ANSWER_LIMIT, every failure an AgentError naming the node.
+    transport.read_response and batch.Reader both read through it."""
+
+    def __init__(self, node: NodeSpec) -> None:
+        super().__init__()
+        self.node = node
+        self.body: list[bytes] = []
+        self.size = 0
+        self.want: int | None = None  # the body's length; None: up to the connection's end
+        self.ended = False  # the body ended by its framing
+        self.clean = True  # nothing came after the answer
+        self.reusable = False  # llhttp's verdict once the body ended (keep-alive, no close)
+
+    def take(self, data: bytes | bytearray) -> tuple[int, bytes, bool] | None:
+        """Feed what came (b"" at the connection's end): (status, body, whether the connection may
+        carry another request) once the answer is whole, None while more is needed. A 304's body
+        is its fleet-live header's value."""
+        node = self.node
+        if data and not self.ended:
+            try:
+                self.feed(bytes(data))
+            except HeadTooLarge:
+                raise AgentProtocolError(node, "an oversized response head") from None
+            except HeadError as exc:
+                raise AgentProtocolError(node, str(exc)) from None
+            except httptools.HttpParserError as exc:
+                if self.head_whole and is_chunked(self.headers):
+                    raise AgentProtocolError(node, _CHUNKED) from None
+                if not self.ended:
+                    raise AgentProtocolError(node, f"a malformed answer (llhttp: {exc})") from None
+                self.clean = False  # bytes after the answer that are no answer
+        elif data:
+            self.clean = False
+        if not self.head_whole:
+            if not data:
                 raise NodeUnreachable(node, "the connection closed before an answer")
-            buf += more
-            if buf.startswith(b"HTTP/1.1 304 ") and buf.endswith(b"\r\n\r\n") and b"\r\n\r\n" not in buf[:-4]:
-                # The answer of a quiet heartbeat, whole: nothing in its head matters but a close
-                # and the live values (a tenth of a quiet beat's CPU went to parsing these heads).
-                low = buf.lower()
-                return 304, _live(buf, low), b"connection: close" not in low
-        head, body = split
-        if head.chunked:
-            # fleet-agent always sends a length; something else answered in its place.
-            raise AgentProtocolError(node, "a chunked answer, which fleet-agent never sends (is a proxy in between?)")
-        # None: the body ends with the connection. A 204 or 304 has none, whatever its head says.
-        want = 0 if head.status in (204, 304) else head.content_length()
-    except HeadTooLarge:
-        raise AgentProtocolError(node, "an oversized response head") from None
-    except MalformedHead as exc:
-        raise AgentProtocolError(node, f"a {exc}") from None
-    if (want or 0) > ANSWER_LIMIT:
-        raise AgentProtocolError(node, f"an answer over {ANSWER_LIMIT >> 20} MiB")
-    while want is None or len(body) < want:
-        more = await receive(READ)
-        if not more:
-            break
-        body += more
-        if len(body) > ANSWER_LIMIT:
+            return None
+        if is_chunked(self.headers):  # fleet-agent always sends a length: something else answered
+            raise AgentProtocolError(node, _CHUNKED)
+        if max(self.size, self.want or 0) > ANSWER_LIMIT:
             raise AgentProtocolError(node, f"an answer over {ANSWER_LIMIT >> 20} MiB")
-    if want is not None and len(body) < want:
-        raise NodeUnreachable(node, f"the connection closed after {len(body)} of {want} bytes")
-    reusable = want is not None and len(body) == want and head.headers.get("connection", "").lower() != "close"
-    if head.status == 304:
-        return 304, head.headers.get(live.HEADER, "").encode("latin-1"), reusable
-    return head.status, body if want is None else body[:want], reusable
+        if self.ended:
+            if self.status == 304:
+                return 304, self.headers.get(live.HEADER, "").encode("latin-1"), self.clean and self.reusable
+            return self.status, b"".join(self.body), self.clean and self.reusable
+        if not data:
+            if self.want is None:  # the body ends with the connection
+                return self.status, b"".join(self.body), False
+            raise NodeUnreachable(node, f"the connection closed after {self.size} of {self.want} bytes")
+        return None
+
+    def head_done(self) -> None:
+        if not is_chunked(self.headers):  # a chunked one is refused once llhttp's pass returns
+            self.want = content_length(self.headers)  # a 204's or 304's is no body's: llhttp ends it at once
+
+    # httptools callbacks (beside ResponseReader's)
+
+    def on_body(self, body: bytes) -> None:
+        if not self.ended:
+            self.size += len(body)
+            if self.size <= ANSWER_LIMIT:
+                self.body.append(body)
+
+    def on_message_begin(self) -> None:
+        if self.ended:  # another answer after this one
+            self.clean = False
+
+    def body_done(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.reusable = self.parser.should_keep_alive()
+
+
+_CHUNKED = "a chunked answer, which fleet-agent never sends (is a proxy in between?)"
 
 
 _LIVE = b"\r\n" + live.HEADER.encode() + b":"

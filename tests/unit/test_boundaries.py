@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 PACKAGES = ("wire", "host", "net", "reconciler", "agent")
 # host: what both sides ask of the local OS (too impure for wire), itself importing neither side.
 # net: the one network layer (HTTP/1.1 codec, streams, server loop, client), below both sides, importing
-# neither; it reads response heads with wire/http.py (the pure part both sides already shared).
+# neither; it takes the floor a bulk body is held to from wire/floor.py (the pure part both sides share).
 MAY_IMPORT = {"wire": {"wire"}, "host": {"host"}, "net": {"net", "wire"}, "reconciler": {"reconciler", "wire", "host", "net"},
               "agent": {"agent", "wire", "host", "net"}}
 WIRE = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "wire").rglob("*.py"))

@@ -13,7 +13,7 @@ import trio
 from reconciler.agents.client import AgentClient, AgentError
 from reconciler.core.desired import NodeSpec
 from reconciler.agents.transport import MemoryTransport
-from tests.unit.test_burst import read_head
+from tests.unit.test_batch import read_head
 
 SECRET = "s" * 16
 GOOD = "0123456789abcdef" * 2

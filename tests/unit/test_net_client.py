@@ -26,7 +26,9 @@ def received(pieces: list[bytes], headers: dict[str, str], rest: bytes = b"") ->
         sockio.prepare(ours)
         head = b"HTTP/1.1 200 OK\r\n" + b"".join(b"%s: %s\r\n" % (k.encode(), v.encode())
                                                   for k, v in headers.items()) + b"\r\n"
-        response = Response(Connection(ours), 200, headers, head + rest)
+        response = Response(Connection(ours))
+        response.feed(head + rest)
+        assert response.head_whole and response.status == 200
         error: ClientError | None = None
         try:
             async with trio.open_nursery() as nursery:

@@ -1,5 +1,6 @@
-"""burst.py: the one-epoll fan-out of one-shot GETs. Its reader agrees with transport.read_response
-on every answer at every cut; on loopback, stand-in agents that answer, stay silent, refuse, or
+"""reconciler/agents/batch.py: the one-epoll fan-out of one-shot GETs. Its reader (transport.AgentAnswer,
+llhttp) agrees with transport.read_response (a quiet beat's 304 recognised whole, the rest through the
+same reader) on every answer at every cut; on loopback, stand-in agents that answer, stay silent, refuse, or
 answer 304 get each its own result, in order, never more connections at once than allowed, and a
 cancelled batch ends its thread and its connections."""
 
@@ -18,9 +19,9 @@ import pytest
 import trio
 
 from reconciler.agents.errors import AgentProtocolError, NodeUnreachable
-from reconciler.agents.batch import Reader, TimedOut, batchable, exchange_all
+from reconciler.agents.batch import TimedOut, batchable, exchange_all
 from reconciler.core.desired import NodeSpec
-from reconciler.agents.transport import AgentRequest, read_response
+from reconciler.agents.transport import AgentAnswer, AgentRequest, read_response
 
 NODE = NodeSpec(name="n", address="127.0.0.1", agent_port=1)
 LIVE = b'["2026-11-30T12:00:00+02:00",1,2,[3],[]]'
@@ -41,12 +42,12 @@ ANSWERS = [
 
 def through_reader(data: bytes, cut: int) -> Any:
     """The reader fed `data` in two pieces cut at `cut`, then the connection's end."""
-    reader = Reader(NODE)
+    reader = AgentAnswer(NODE)
     try:
         for piece in [p for p in (data[:cut], data[cut:]) if p] + [b""]:
-            answer = reader.feed(piece)
+            answer = reader.take(piece)
             if answer is not None:
-                return answer
+                return answer[:2]
         return None
     except (NodeUnreachable, AgentProtocolError) as exc:
         return type(exc), exc.message
