@@ -269,7 +269,8 @@ class MalformedHead(HeadError):
 
 class ResponseReader:
     """One answer read as its bytes arrive (`feed`), through llhttp: once its head is whole,
-    `head_whole`, `status` and `headers` (names lower-cased), and the head_done hook; interim
+    `head_whole`, `status` and `headers` (names lower-cased; filled as they come, to be read once
+    the head is whole), and the head_done hook; interim
     1xx answers are passed over (at most MAX_INTERIM). The body goes to the subclass's on_body and
     on_message_complete, called by the same pass of llhttp that read the head, so the head is
     parsed once and the body framed as llhttp frames it. Before the head is whole, every failure is
@@ -284,9 +285,7 @@ class ResponseReader:
         self.headers: dict[str, str] = {}
         self.head_whole = False
         self.interim = 0
-        self._head: list[tuple[bytes, bytes]] = []
-        self._reason = b""
-        self._status_line = False  # llhttp took a status line
+        self._size = 13  # the head's size as its parts come: "HTTP/1.1 200 ", the reason, each header
         self._head_bytes = 0  # an upper bound on the head's size until it is whole
 
     def feed(self, data: bytes) -> None:
@@ -312,7 +311,7 @@ class ResponseReader:
     def _malformed(self, why: str) -> str:
         if "Content-Length" in why:
             return f"a malformed Content-Length (llhttp: {why})"
-        if not self._status_line:
+        if self._size == 13 and not self.headers:  # neither a reason nor a header came: the status line
             return f"a malformed HTTP status line (llhttp: {why})"
         return f"a malformed response head (llhttp: {why})"
 
@@ -322,18 +321,15 @@ class ResponseReader:
     # httptools callbacks
 
     def on_status(self, reason: bytes) -> None:
-        self._status_line = True
-        self._reason += reason
+        self._size += len(reason)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head.append((name, value))
+        self._size += len(name) + len(value) + 4
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1").strip()
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        size = len(self._reason) + 13  # "HTTP/1.1 200 " and the reason
-        for name, value in self._head:
-            size += len(name) + len(value) + 4
-        if size > self.max_head:
+        if self._size > self.max_head:
             raise HeadTooLarge(f"response head over {self.max_head} bytes")
         if status < 100:
             raise MalformedHead(f"a malformed HTTP status line (status {status})")
@@ -341,11 +337,9 @@ class ResponseReader:
             self.interim += 1
             if self.interim > MAX_INTERIM:
                 raise MalformedHead(f"{self.interim} interim answers and no answer")
-            self._head, self._reason, self._status_line, self._head_bytes = [], b"", False, 0
+            self.headers, self._size, self._head_bytes = {}, 13, 0
             return
-        self.status = status
-        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1").strip() for k, v in self._head}
-        self._head, self.head_whole = [], True
+        self.status, self.head_whole = status, True
         self.head_done()
 
     def on_message_complete(self) -> None:

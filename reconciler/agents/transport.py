@@ -13,10 +13,9 @@ from http import HTTPStatus
 from typing import Any, Awaitable, Callable, Protocol
 from urllib.parse import unquote
 
+import httptools
 import trio
 from starlette.types import ASGIApp, Message
-
-import httptools
 
 from wire import live
 
@@ -230,7 +229,7 @@ async def read_response(node: NodeSpec, receive: Receive) -> tuple[int, bytes, b
 class AgentAnswer(ResponseReader):
     """One agent's answer read as it arrives (`take`), through net/http1.py's ResponseReader
     (llhttp): its body gathered up to ANSWER_LIMIT, every failure an AgentError naming the node.
-    transport.read_response and batch.Reader both read through it."""
+    read_response and batch.py's calls both read through it."""
 
     def __init__(self, node: NodeSpec) -> None:
         super().__init__()
