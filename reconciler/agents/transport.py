@@ -1,6 +1,7 @@
-"""How an agent call travels: one seam (`Transport.exchange`: a request for a status and bytes), a
-raw-socket transport for production and an in-memory one for tests, both answering through the
-same HTTP/1.1 reader, so that tests run the parsing code production runs."""
+"""How an agent call travels: one seam (`Transport.exchange`: a request for a status and bytes), the
+raw-socket transport production runs, and the reader every answer goes through (AgentAnswer, on
+net/http1.py's codec); tests/memory_transport.py answers the same seam in memory, read by the same
+reader, so that tests run the parsing code production runs."""
 
 from __future__ import annotations
 
@@ -9,13 +10,10 @@ import os
 import socket
 import ssl
 from dataclasses import dataclass, field
-from http import HTTPStatus
-from typing import Any, Awaitable, Callable, Protocol
-from urllib.parse import unquote
+from typing import Awaitable, Callable, Protocol
 
 import httptools
 import trio
-from starlette.types import ASGIApp, Message
 
 from wire import live
 
@@ -314,73 +312,3 @@ def _live(head: bytes, low: bytes) -> bytes:
         return b""
     at += len(_LIVE)
     return head[at:head.index(b"\r\n", at)].strip()
-
-
-Answer = Callable[[bytes], Awaitable[bytes]]  # a request's bytes → the raw bytes of the response
-
-
-class MemoryTransport:
-    """In-process, for tests: the request's bytes go to `answer` (an ASGI app through `asgi`, or
-    a handler that writes raw bytes) and its response is read by `read_answer`, `piece` bytes at a
-    time, as a socket's is. A handler raising OSError is a connection that failed."""
-
-    def __init__(self, answer: Answer, *, piece: int = READ) -> None:
-        self.answer, self.piece = answer, piece
-
-    async def exchange(self, request: AgentRequest) -> tuple[int, bytes]:
-        raw = await self.answer(request.encode())
-        at = 0
-
-        async def receive(n: int) -> bytes:
-            nonlocal at
-            await trio.lowlevel.checkpoint()
-            out = raw[at:at + min(n, self.piece)]
-            at += len(out)
-            return out
-        return await read_answer(request.node, receive)
-
-
-def asgi(app: ASGIApp) -> Answer:
-    """An ASGI app (the agent's) as an Answer: the request parsed into a scope, the response
-    written as an HTTP/1.1 server would write it (chunked when the app gives no length)."""
-
-    async def answer(request: bytes) -> bytes:
-        head, _, body = request.partition(b"\r\n\r\n")
-        line, *lines = head.decode("latin-1").split("\r\n")
-        method, target, _ = line.split(" ", 2)
-        path, _, query = target.partition("?")
-        scope: dict[str, Any] = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-            "scheme": "http", "path": unquote(path), "raw_path": path.encode(), "query_string": query.encode(),
-            "root_path": "", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
-            "headers": [(k.strip().lower().encode("latin-1"), v.strip().encode("latin-1"))
-                        for k, _, v in (h.partition(":") for h in lines)]}
-        pending = [{"type": "http.request", "body": body, "more_body": False}]
-        complete = trio.Event()
-        status, headers, parts = 500, [], []
-
-        async def receive() -> Message:
-            if pending:
-                return pending.pop()
-            await complete.wait()  # a streaming response listens for the client going away meanwhile
-            return {"type": "http.disconnect"}
-
-        async def send(message: Message) -> None:
-            nonlocal status, headers
-            if message["type"] == "http.response.start":
-                status, headers = message["status"], list(message.get("headers", []))
-            elif message["type"] == "http.response.body":
-                parts.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    complete.set()
-
-        await app(scope, receive, send)
-        content = b"".join(parts)
-        out = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}".encode()]
-        out += [k + b": " + v for k, v in headers]
-        if status not in (204, 304) and not any(k.lower() == b"content-length" for k, _ in headers):
-            out.append(b"transfer-encoding: chunked")
-            content = (b"%x\r\n%s\r\n" % (len(content), content) if content else b"") + b"0\r\n\r\n"
-        return b"\r\n".join(out) + b"\r\n\r\n" + content
-
-    return answer

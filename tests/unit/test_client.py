@@ -15,7 +15,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from reconciler.agents.client import AgentClient, AgentHTTPError, AgentProtocolError, NodeAuthRejected, NodeUnreachable
 from reconciler.core.desired import NodeSpec
-from reconciler.agents.transport import ANSWER_LIMIT, Answer, MemoryTransport, asgi
+from reconciler.agents.transport import ANSWER_LIMIT
+from tests.memory_transport import Answer, MemoryTransport, asgi
 
 NODE = NodeSpec(name="gpu-a", address="10.0.0.2", agent_port=7070)
 

@@ -12,7 +12,7 @@ import trio
 
 from reconciler.agents.client import AgentClient, AgentError
 from reconciler.core.desired import NodeSpec
-from reconciler.agents.transport import MemoryTransport
+from tests.memory_transport import MemoryTransport
 from tests.unit.test_batch import read_head
 
 SECRET = "s" * 16

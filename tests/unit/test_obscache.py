@@ -23,7 +23,7 @@ from reconciler.core.desired import ControlPlaneSpec, Desired, NodeSpec
 from reconciler.cache.observed import ObservationCache
 from reconciler.agents.observe import observe
 from reconciler.core.observed import Observed, ObservedNode, node_from_state
-from reconciler.agents.transport import Answer, MemoryTransport, asgi
+from tests.memory_transport import Answer, MemoryTransport, asgi
 from wire import live
 
 SECRET = "s" * 16

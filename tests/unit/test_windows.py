@@ -14,7 +14,7 @@ from agent.machine.inventory import NoGpus
 from agent.backends.launch import ProcessLauncher
 from reconciler.agents.client import AgentClient
 from reconciler.core.desired import NodeSpec
-from reconciler.agents.transport import MemoryTransport, asgi
+from tests.memory_transport import MemoryTransport, asgi
 from wire.windows import Window, status
 
 TZ = timezone(timedelta(hours=2))
