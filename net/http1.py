@@ -270,10 +270,9 @@ class MalformedHead(HeadError):
 class ResponseReader:
     """One answer read as its bytes arrive (`feed`), through llhttp: once its head is whole,
     `head_whole`, `status` and `headers` (names lower-cased; filled as they come, to be read once
-    the head is whole), and the head_done hook; interim
-    1xx answers are passed over (at most MAX_INTERIM). The body goes to the subclass's on_body and
-    on_message_complete, called by the same pass of llhttp that read the head, so the head is
-    parsed once and the body framed as llhttp frames it. Before the head is whole, every failure is
+    the head is whole), and the head_done hook; interim 1xx answers are passed over (at most
+    MAX_INTERIM). The body goes to the subclass's on_body and body_done, called by the same pass of
+    llhttp that read the head, so the head is parsed once and the body framed as llhttp frames it. Before the head is whole, every failure is
     a HeadError: HeadTooLarge past `max_head` bytes (counted as the server's Parser counts a
     request's), MalformedHead where llhttp refuses the bytes; after it, llhttp's own errors
     (httptools.HttpParserError) are the caller's to judge."""
@@ -300,7 +299,7 @@ class ResponseReader:
                 raise why from None
             raise
         except httptools.HttpParserUpgrade:
-            raise MalformedHead(f"answer that switched protocols ({self.status}), which fleet does not speak") from None
+            raise MalformedHead(f"an answer that switched protocols ({self.status}), which fleet does not speak") from None
         except httptools.HttpParserError as exc:
             if whole or self.head_whole:
                 raise
