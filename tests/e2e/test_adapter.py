@@ -22,6 +22,7 @@ import pytest
 
 from wire.command_line import Exit
 
+from tests.addresses import loopback
 from tests.agents import SECRET, Agent, agent_env, free_port
 from tests.conftest import fleet_bin
 from tests.fleets import Fleet, import_model, start_serve
@@ -30,7 +31,7 @@ from tests.models import make_adapter, peft_reference, tiny_safetensors
 pytestmark = pytest.mark.e2e
 QUESTION = "What is the capital of France? Answer in one sentence."
 TOKENS = 12
-ADDRESSES = {"cp": "127.0.0.70", "a": "127.0.0.71"}
+ADDRESSES = dict(zip(("cp", "a"), loopback(2)))
 
 
 class World:

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from wire.layers import LayerRange
 from wire.manifest import layer_of
 
+from tests.addresses import loopback
 from tests.agents import Agent, free_port
 from tests.fleets import Fleet, import_model, start_serve
 from tests.models import make_adapter, peft_reference
@@ -27,7 +28,7 @@ from tests.models import make_adapter, peft_reference
 pytestmark = pytest.mark.e2e
 QUESTION = "What is the capital of France? Answer in one sentence."
 TOKENS = 12
-ADDRESSES = {"cp": "127.0.0.72", "a": "127.0.0.73", "b": "127.0.0.74"}
+ADDRESSES = dict(zip(("cp", "a", "b"), loopback(3)))
 STAGES = {"a": "0-14", "b": "15-29"}
 
 

@@ -28,13 +28,14 @@ import httpx
 import openai
 import pytest
 
+from tests.addresses import loopback
 from tests.agents import SECRET, Agent, free_port
 from tests.fleets import Fleet, import_model, start_serve
 from tests.models import smollm2_gguf, tiny_safetensors
 
 pytestmark = pytest.mark.e2e
 QUESTION = "What is the capital of France? Answer in one sentence."
-ADDRESSES = {"cp": "127.0.0.62", "a": "127.0.0.63"}
+ADDRESSES = dict(zip(("cp", "a"), loopback(2)))
 
 
 class World:

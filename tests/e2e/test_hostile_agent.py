@@ -24,12 +24,13 @@ from typing import Iterator
 import httpx
 import pytest
 
+from tests.addresses import loopback
 from tests.agents import agent_env, free_port, wait_healthy
 from tests.conftest import ROOT, fleet_bin
 
 pytestmark = pytest.mark.e2e
 
-CP, GOOD, BAD = "127.0.9.1", "127.0.9.2", "127.0.9.3"
+CP, GOOD, BAD = loopback(3)  # consecutive: `fleet-agent simulate --first CP` hosts the first two
 DIGEST = "sha256:" + "cd" * 32
 WORKER = ROOT / "tests" / "integration" / "test_front_limits.py"  # its stand-in worker
 

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests.addresses import loopback
 from tests.agents import Agent, free_port
 from tests.fleets import Fleet, import_model, start_serve
 from tests.models import smollm2_gguf
@@ -24,7 +25,7 @@ from tests.models import smollm2_gguf
 pytestmark = pytest.mark.e2e
 QUESTION = "What is the capital of France? Answer in one sentence."
 CONTEXT = 256  # small, so that a long prompt is easy to make; the question takes 42 tokens
-ADDRESSES = {"cp": "127.0.0.60", "a": "127.0.0.61"}
+ADDRESSES = dict(zip(("cp", "a"), loopback(2)))
 ENGINES = [("local", "cp"), ("chat", "a")]
 IDS = ["llama.cpp-gguf", "pytorch-safetensors"]
 

@@ -15,12 +15,13 @@ from typing import Iterator
 import httpx
 import pytest
 
+from tests.addresses import loopback
 from tests.agents import Agent, free_port
 from tests.fleets import Fleet, import_model, start_serve
 from tests.models import smollm2_gguf
 
 pytestmark = pytest.mark.e2e
-ADDRESS = "127.0.0.88"
+[ADDRESS] = loopback(1)
 CLUSTER = "smol"
 QUESTION = "What is the capital of France? Answer in one sentence."
 

@@ -26,13 +26,14 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from tests.addresses import loopback
 from tests.agents import agent_env, free_port, wait_healthy
 from tests.conftest import fleet_bin
 
 # Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
 pytestmark = pytest.mark.e2e
 
-CP, NODE = "127.0.7.1", "127.0.7.2"
+CP, NODE = loopback(2)  # consecutive: `fleet-agent simulate --first CP` hosts both
 DIGEST = "sha256:" + "cd" * 32
 KEYS = "FLEET_TEST_FRONT_KEYS"
 

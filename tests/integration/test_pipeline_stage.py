@@ -28,13 +28,14 @@ from agent.weights.store import Store
 from agent.serving.supervisor import RequestRefused, Workers
 from reconciler.agents.netutil import free_port
 from tests import forked
+from tests.addresses import loopback
 from tests.integration.test_torch_worker import Worker, sse_events, together
 from tests.models import hold_slices, sliced, tiny_safetensors
 
 # Starts real agent, worker or fleet processes: kept out of the quick suite (-m "not e2e").
 pytestmark = pytest.mark.e2e
 
-ADDRESSES = ["127.0.0.31", "127.0.0.32", "127.0.0.33"]
+ADDRESSES = loopback(3)
 PROMPTS = ["The fleet", "Weights are pinned by digest and replicated from a peer", "A cluster serves one model",
            "Hello! How can I help you today? I am a tiny model made for tests."]
 

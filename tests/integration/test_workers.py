@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ from agent.backends.launch import BadSettings, Command, LaunchSpec, ModelPath, P
 from agent.simulation.simulate import ClaimedStore, SimulatedLauncher
 from agent.weights.store import Store
 from agent.serving.supervisor import RequestRefused, Server, Workers
+from tests.addresses import loopback
 from tests.agents import SECRET, agent_env, free_port, wait_healthy
 from tests.conftest import fleet_bin
 from tests.models import random_gguf
@@ -223,13 +225,14 @@ def test_simulated_workers_run_claimed_models_through_the_same_checks(tmp_path: 
 def simulated(tmp_path: Path) -> Iterator[str]:
     gpus = tmp_path / "gpus.json"
     gpus.write_text(json.dumps([{"name": "SIMULATED H100", "memory_total_bytes": 80 << 30}]))
-    port = free_port("127.1.0.1", "127.1.0.2")
+    cp, node = loopback(2)
+    port = free_port(cp, node)
     sim = subprocess.Popen([fleet_bin("fleet-agent"), "simulate", "--dir", str(tmp_path / "sim"), "--count", "2",
-                            "--port", str(port), "--gpus", str(gpus), "--hold", f"sha256:{'ab' * 32}:safetensors:1000"],
+                            "--first", cp, "--port", str(port), "--gpus", str(gpus), "--hold", f"sha256:{'ab' * 32}:safetensors:1000"],
                            env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_healthy(f"http://127.1.0.2:{port}", timeout=30)
-        yield f"http://127.1.0.2:{port}"
+        wait_healthy(f"http://{node}:{port}", timeout=30)
+        yield f"http://{node}:{port}"
     finally:
         sim.terminate()
         sim.wait(30)
@@ -247,6 +250,6 @@ def test_fleet_agent_simulate_serves_real_routes_over_simulated_parts(simulated:
         s = httpx.get(simulated + "/v1/servers/c@n1", headers=auth).json()
         if s["state"] == "running":
             break
-    assert s["state"] == "running" and s["pid"] == 0 and s["host"] == "127.1.0.2"
+    assert s["state"] == "running" and s["pid"] == 0 and s["host"] == urlsplit(simulated).hostname
     assert httpx.delete(simulated + "/v1/servers/c@n1", headers=auth).json()["state"] == "stopped"
     assert httpx.get(simulated + "/v1/state").status_code == 401
