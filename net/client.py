@@ -197,7 +197,7 @@ class Response(ResponseReader):
             if not more:
                 self._end_of_stream()
             else:
-                self._feed(more)
+                self.take(more)
 
     async def whole(self, limit: int = WHOLE_LIMIT) -> bytes:
         """The whole body; ClientError once it is known to exceed `limit` bytes (from its
@@ -275,18 +275,23 @@ class Response(ResponseReader):
         except (trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
             raise ClientError(f"connection broke: {exc}", started=True) from exc
 
-    def _feed(self, data: bytes) -> None:
+    def take(self, data: bytes) -> None:
+        """Feed what arrived (ResponseReader.feed), failures as ClientError (HeadError while the head is
+        not whole: send reports it); bytes after the answer leave the connection unclean."""
         if self._complete:
             self.reusable = False  # bytes after the answer: the connection is not clean
             return
         try:
-            self.feed(data)  # HeadError while the head is not whole (send's to report)
+            self.feed(data)  # HeadError while the head is not whole: send's to report
+        except HeadError as exc:
+            if not self.head_whole:
+                raise
+            raise ClientError(f"{self.peer} sent {exc}", started=True) from exc  # framing or trailers past the bound
         except httptools.HttpParserError as exc:
-            if self._complete:  # the answer ended and more came after it
-                self.reusable = False
-                return
             what = "malformed chunked framing" if self.chunked else "a malformed answer"
             raise ClientError(f"{self.peer} sent {what} (llhttp: {exc})", started=True) from exc
+        if self.after:  # bytes after the answer: the connection is not clean
+            self.reusable = False
 
     def _end_of_stream(self) -> None:
         self._done = True
@@ -313,14 +318,10 @@ class Response(ResponseReader):
 
     # httptools callbacks
 
-    def on_message_begin(self) -> None:
-        if self._complete:  # bytes of another answer after this one: the connection is not clean
-            self.reusable = False
-
     def on_chunk_header(self) -> None:
         self._after_chunk_header = True
 
-    def on_body(self, body: bytes) -> None:
+    def take_body(self, body: bytes) -> None:
         if self._probing:
             self._complete = False
             raise ClientError("probe", started=True)  # the final line was taken as data: cut short
@@ -514,7 +515,7 @@ async def send(conn: Connection, method: str, target: str, *, body: bytes = b"",
             if not more:
                 raise Closed(f"{host}:{port} closed the connection without answering", started=False)
             try:
-                response._feed(more)
+                response.take(more)
             except ClientError as exc:  # the body's framing, in the read that ended the head: nothing of it taken yet
                 raise ClientError(str(exc), started=False) from exc.__cause__
         return response

@@ -267,12 +267,20 @@ class MalformedHead(HeadError):
     protocols, or it was one interim answer too many. The message says which, article first."""
 
 
+class _Another(Exception):
+    """llhttp began a message after the answer's end (ResponseReader.on_message_begin)."""
+
+
 class ResponseReader:
     """One answer read as its bytes arrive (`feed`), through llhttp: once its head is whole,
     `head_whole`, `status` and `headers` (names lower-cased; filled as they come, to be read once
     the head is whole), and the head_done hook; interim 1xx answers are passed over (at most
-    MAX_INTERIM). The body goes to the subclass's on_body and body_done, called by the same pass of
-    llhttp that read the head, so the head is parsed once and the body framed as llhttp frames it. Before the head is whole, every failure is
+    MAX_INTERIM). The body goes to the subclass's take_body and body_done, called by the same pass
+    of llhttp that read the head, so the head is parsed once and the body framed as llhttp frames
+    it. Once the answer has ended, nothing more is parsed: bytes after it set `after` (the
+    connection is not clean), and never become another answer's status or headers. Chunk framing
+    and trailers are bounded as a head is (max_head bytes without a byte of body); trailers are
+    not kept. Before the head is whole, every failure is
     a HeadError: HeadTooLarge past `max_head` bytes (counted as the server's Parser counts a
     request's), MalformedHead where llhttp refuses the bytes; after it, llhttp's own errors
     (httptools.HttpParserError) are the caller's to judge."""
@@ -284,33 +292,52 @@ class ResponseReader:
         self.headers: dict[str, str] = {}
         self.head_whole = False
         self.interim = 0
+        self.answered = False  # the answer's body ended by its framing
+        self.after = False  # bytes came after the answer's end
         self._size = 13  # the head's size as its parts come: "HTTP/1.1 200 ", the reason, each header
         self._head_bytes = 0  # an upper bound on the head's size until it is whole
+        self._framing = 0  # bytes of the body's reads in a row that brought no byte of body
+        self._body_came = False
 
     def feed(self, data: bytes) -> None:
+        if self.after:
+            return
         whole = self.head_whole
         if not whole:
             self._head_bytes += len(data)
+        self._body_came = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             why = exc.__cause__ or exc.__context__  # what a callback raised
+            if isinstance(why, _Another):
+                self.after = True
+                return
             if isinstance(why, HeadError):
                 raise why from None
             raise
         except httptools.HttpParserUpgrade:
             raise MalformedHead(f"an answer that switched protocols ({self.status}), which fleet does not speak") from None
         except httptools.HttpParserError as exc:
-            if whole or self.head_whole:
-                raise
+            if self.answered:  # what came after the answer is no answer
+                self.after = True
+                return
+            if self.head_whole:
+                raise  # the body's framing: the caller's to judge
             raise MalformedHead(self._malformed(str(exc))) from None
-        if not self.head_whole and self._head_bytes > self.max_head + 4:  # the blank line that ends it is not counted
-            raise HeadTooLarge(f"response head over {self.max_head} bytes")
+        if not self.head_whole:
+            if self._head_bytes > self.max_head + 4:  # the blank line that ends it is not counted
+                raise HeadTooLarge(f"response head over {self.max_head} bytes")
+        elif whole and not self.answered:  # a read of the body
+            self._framing = 0 if self._body_came else self._framing + len(data)
+            if self._framing > self.max_head:
+                raise HeadTooLarge(f"chunk framing or trailers over {self.max_head} bytes without a byte of body")
 
-    def _malformed(self, why: str) -> str:
+    @staticmethod
+    def _malformed(why: str) -> str:
         if "Content-Length" in why:
             return f"a malformed Content-Length (llhttp: {why})"
-        if self._size == 13 and not self.headers:  # neither a reason nor a header came: the status line
+        if any(word in why for word in ("HTTP/", "version", "status", "response line")):
             return f"a malformed HTTP status line (llhttp: {why})"
         return f"a malformed response head (llhttp: {why})"
 
@@ -322,7 +349,13 @@ class ResponseReader:
     def on_status(self, reason: bytes) -> None:
         self._size += len(reason)
 
+    def on_message_begin(self) -> None:
+        if self.answered:
+            raise _Another  # ends llhttp's pass: feed sets `after`
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_whole:
+            return  # a trailer: bounded with the chunk framing, not kept
         self._size += len(name) + len(value) + 4
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1").strip()
 
@@ -341,8 +374,16 @@ class ResponseReader:
         self.status, self.head_whole = status, True
         self.head_done()
 
+    def on_body(self, body: bytes) -> None:
+        self._body_came = True
+        self.take_body(body)
+
+    def take_body(self, body: bytes) -> None:
+        """A piece of the answer's body, de-chunked."""
+
     def on_message_complete(self) -> None:
         if self.head_whole:  # not an interim answer's end
+            self.answered = True
             self.body_done()
 
     def body_done(self) -> None:

@@ -37,6 +37,19 @@ ANSWERS = [
     b"HTTP/1.1 200 OK\r\ncontent-length: 2x\r\n\r\n",
     b"NONSENSE\r\n\r\n",
     b"HTTP/1.1 200 OK\r\ncontent-le",  # closed before the head ended
+    # What comes after an answer is no part of it, nor another answer:
+    b'HTTP/1.1 500 Internal Server Error\r\ncontent-length: 7\r\n\r\n{"e":1}HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok',
+    b'HTTP/1.1 304 Not Modified\r\nfleet-live: ' + LIVE + b'\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok',
+    b'HTTP/1.1 304 Not Modified\r\nfleet-live: ' + LIVE + b'\r\n\r\nHTTP/1.1 100 Continue\r\n\r\n',
+    # A 304 the quiet beat's shortcut does not take, read by llhttp whole as at every cut:
+    b'HTTP/1.1 304 Not Modified\r\nfleet-live: ' + LIVE + b'\r\nfleet-live: ["x",0,0,[],[]]\r\n\r\n',
+    b'HTTP/1.1 304 Not Modified\r\nfleet-live: ' + LIVE + b'\r\nConnection:close\r\n\r\n',
+    b'HTTP/1.1 304 Not Modified\r\nfleet-live: ' + LIVE + b'\r\nconnection: keep-alive, close\r\n\r\n',
+    b'HTTP/1.1 304 Not Modified\r\nfleet-live: ' + LIVE + b'\r\nno colon here\r\n\r\n',
+    b'HTTP/1.1 304 Not Modified\r\nfleet-live: ' + LIVE + b'\r\n folded\r\n\r\n',
+    b'HTTP/1.1 304 Not Modified\nfleet-live: ' + LIVE + b'\n\n',
+    b'HTTP/1.1 304 Not Modified\r\ncontent-length: 1\r\ncontent-length: 2\r\nfleet-live: ' + LIVE + b'\r\n\r\n',
+    b'HTTP/1.1 304 Not Modified\r\nfleet-live:  ' + LIVE + b'  \r\n\r\n',
 ]
 
 
@@ -47,7 +60,7 @@ def through_reader(data: bytes, cut: int) -> Any:
         for piece in [p for p in (data[:cut], data[cut:]) if p] + [b""]:
             answer = reader.take(piece)
             if answer is not None:
-                return answer[:2]
+                return answer
         return None
     except (NodeUnreachable, AgentProtocolError) as exc:
         return type(exc), exc.message
@@ -63,8 +76,7 @@ def through_read_response(data: bytes) -> Any:
             at += len(out)
             return out
         try:
-            status, body, _ = await read_response(NODE, receive)
-            return status, body
+            return await read_response(NODE, receive)
         except (NodeUnreachable, AgentProtocolError) as exc:
             return type(exc), exc.message
     return trio.run(go)
@@ -72,11 +84,17 @@ def through_read_response(data: bytes) -> Any:
 
 @pytest.mark.parametrize("data", ANSWERS, ids=range(len(ANSWERS)))
 def test_the_reader_reads_as_read_response_does_at_every_cut(data: bytes) -> None:
+    """The same status and body (or error) at every cut; whether the connection may be kept too,
+    where the reader had every byte read_response had (bytes after an answer that come in a later
+    read are found by the next call's idle check, sockio.idle_open)."""
     expected = through_read_response(data)
     for cut in range(1, len(data) + 1):
-        assert through_reader(data, cut) == expected, cut
-    if data.startswith(b"HTTP/1.1 304") and b"fleet-live" in data:
-        assert expected == (304, LIVE)
+        got, want = through_reader(data, cut), expected
+        if cut < len(data) and len(got) == len(want) == 3:  # an answer (an error is a pair): its status and body
+            got, want = got[:2], want[:2]
+        assert got == want, cut
+    if data.startswith(b"HTTP/1.1 304 Not Modified\r\n") and b"fleet-live" in data and b"Continue" not in data:
+        assert expected[:2] in ((304, LIVE), (304, b'["x",0,0,[],[]]')) or expected[0] is AgentProtocolError, expected
 
 
 def test_only_plain_agents_at_an_address_are_batched() -> None:

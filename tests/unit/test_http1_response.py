@@ -24,7 +24,7 @@ class Reader(ResponseReader):
     def head_done(self) -> None:
         self.heads += 1
 
-    def on_body(self, body: bytes) -> None:
+    def take_body(self, body: bytes) -> None:
         self.body += body
 
     def body_done(self) -> None:
@@ -126,3 +126,29 @@ def test_a_switch_of_protocols_is_malformed() -> None:
 def test_chunked_is_read_from_transfer_encoding_in_any_case() -> None:
     assert is_chunked({"transfer-encoding": "gzip, Chunked"})
     assert not is_chunked({})
+
+
+def test_a_header_without_a_colon_after_a_status_line_without_a_reason_is_the_head_s_fault() -> None:
+    with pytest.raises(MalformedHead, match="malformed response head .*Invalid header token"):
+        fed([b"HTTP/1.1 200\r\nno colon\r\n\r\n"])
+
+
+def test_nothing_after_the_answer_is_read_as_part_of_it() -> None:
+    answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    for after in (b"HTTP/1.1 401 Unauthorized\r\nx-evil: 1\r\ncontent-length: 4\r\n\r\nEVIL",
+                  b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\n", b"HTTP/1.1 100 Continue\r\n\r\n" * 9,
+                  b"garbage"):
+        for cut in (len(answer), len(answer) + 3):
+            reader = fed([(answer + after)[:cut], (answer + after)[cut:]])
+            assert (reader.status, reader.headers, reader.body, reader.ends) == (200, {"content-length": "2"}, b"ok", 1)
+            assert reader.answered and reader.after
+
+
+def test_trailers_are_not_headers_and_are_bounded_with_the_chunk_framing() -> None:
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    reader = fed([head, b"2\r\nok\r\n0\r\nx-trailer: 1\r\ncontent-type: text/evil\r\n\r\n"])
+    assert reader.headers == {"transfer-encoding": "chunked"} and reader.body == b"ok" and reader.answered
+    reader = fed([head, b"2\r\nok\r\n0\r\n"])
+    with pytest.raises(HeadTooLarge, match="chunk framing or trailers"):
+        for _ in range(MAX_HEAD // 1000 + 1):
+            reader.feed(b"t: " + b"v" * 995 + b"\r\n")

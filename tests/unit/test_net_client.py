@@ -27,7 +27,7 @@ def received(pieces: list[bytes], headers: dict[str, str], rest: bytes = b"") ->
         head = b"HTTP/1.1 200 OK\r\n" + b"".join(b"%s: %s\r\n" % (k.encode(), v.encode())
                                                   for k, v in headers.items()) + b"\r\n"
         response = Response(Connection(ours))
-        response.feed(head + rest)
+        response.take(head + rest)
         assert response.head_whole and response.status == 200
         error: ClientError | None = None
         try:
@@ -443,3 +443,54 @@ def test_interim_answers_are_passed_over_up_to_a_bound(interim: int, answered: b
                 await fetch("GET", "127.0.0.1", port, "/")
 
     against(answer, check)
+
+
+AFTER = {
+    "switch": b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\nconnection: upgrade\r\n\r\n",
+    "interims": b"HTTP/1.1 100 Continue\r\n\r\n" * 9,
+    "second-answer": b"HTTP/1.1 401 Unauthorized\r\nwww-authenticate: Bearer\r\ncontent-length: 4\r\n\r\nEVIL",
+    "large-second-head": b"HTTP/1.1 200 OK\r\nx: " + b"a" * 40000 + b"\r\n\r\n",
+    "garbage": b"NOT HTTP\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["one-write", "head-first"])
+@pytest.mark.parametrize("after", list(AFTER.values()), ids=list(AFTER))
+def test_what_comes_after_an_answer_is_no_part_of_it(after: bytes, apart: bool) -> None:
+    """Bytes after an answer's end (in the read that ends it, or with its body after its head came
+    alone) are neither its status nor its headers, raise nothing, and leave its connection unpooled."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n"
+
+    async def main() -> None:
+        async def handler(stream: trio.SocketStream) -> None:
+            async with stream:
+                await stream.receive_some(65536)
+                if apart:
+                    await stream.send_all(head)
+                    await trio.sleep(0.05)  # the client has the head alone, and reads the rest in `whole`
+                    await stream.send_all(b"ok" + after)
+                else:
+                    await stream.send_all(head + b"ok" + after)
+                await trio.sleep(1)
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            pool = Pool()
+            answer = await fetch("GET", "127.0.0.1", port, "/", pool=pool)
+            assert (answer.status, answer.headers, answer.content) == (
+                200, {"content-type": "application/json", "content-length": "2"}, b"ok")
+            assert not pool.idle.get(("127.0.0.1", port))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("trailers", [b"".join(b"t%d: %s\r\n" % (i, b"v" * 60) for i in range(2000)),
+                                      b"t: " + b"v" * (1 << 20)], ids=["many", "one-long"])
+def test_trailers_are_bounded_and_not_taken_as_headers(trailers: bytes) -> None:
+    """A chunked body's trailers: a few are read past (and are not its headers); past the head's
+    bound without a byte of body, an error, whatever their shape (a value that never ends included)."""
+    assert received([b"2\r\nok\r\n0\r\nx-small: 1\r\n\r\n"], {"transfer-encoding": "chunked"})[0] == b"ok"
+    with pytest.raises(ClientError, match="chunk framing or trailers over 65536 bytes"):
+        body([b"2\r\nok\r\n0\r\n"] + [trailers[i:i + 4096] for i in range(0, len(trailers), 4096)],
+             {"transfer-encoding": "chunked"})
