@@ -270,3 +270,18 @@ def test_out_of_descriptors_is_each_nodes_error_not_the_batchs() -> None:
                           cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[True, True]"
+
+
+def test_the_agents_own_quiet_answer_takes_the_shortcut() -> None:
+    """A quiet beat's 304 as fleet-agent writes it (agent/api/routes.py's headers through net's
+    response_head) is read without llhttp, as the quiet beat's CPU assumes (bench/heartbeat)."""
+    from starlette.responses import Response
+
+    from net.http1 import response_head
+    from reconciler.agents.transport import quiet_304
+    from wire import live as wire_live
+
+    answer = Response(status_code=304, headers={"etag": '"g1"', wire_live.HEADER: LIVE.decode()})
+    head, *_ = response_head(answer.status_code, answer.raw_headers, "1.1", keep_alive=True, no_body=False)
+    assert quiet_304(head) == LIVE
+    assert quiet_304(head.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n")) is None  # llhttp reads a close
