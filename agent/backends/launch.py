@@ -19,6 +19,7 @@ import trio
 from net import client
 
 from agent.backends.forkserver import ForkServer, die_with_parent
+from agent.weights.sealed import MEMFDS_ENV
 
 HEALTH_TIMEOUT_S = 2.0
 HEALTH_ANSWER_LIMIT = 1 << 20  # a health answer is a few bytes; a larger one is no answer
@@ -88,7 +89,8 @@ class Launcher(Protocol):
         """Start argv with stdout and stderr appended to `log` and `env` added to the agent's own
         environment less its FLEET_* variables (worker_environment; `env` carries what must not be on
         a command line: the worker's credential); `keep_fds` are descriptors the worker inherits at
-        the same numbers (an encrypted model's memfds), and such a worker never dumps core; OSError
+        the same numbers (an encrypted model's memfds, named in its environment: sealed.MEMFDS_ENV),
+        and such a worker never dumps core; OSError
         if it cannot be started."""
 
     async def answers(self, url: str, credential: str) -> bool:
@@ -208,7 +210,7 @@ class ProcessLauncher:
             proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     preexec_fn=_die_with_parent_no_core if keep_fds else die_with_parent,
                                     pass_fds=tuple(keep_fds),
-                                    env=_environment(env))
+                                    env=_environment({**env, MEMFDS_ENV: ",".join(map(str, keep_fds))} if keep_fds else env))
         return PopenProcess(proc)
 
     async def answers(self, url: str, credential: str) -> bool:

@@ -32,6 +32,9 @@ HEADER = struct.Struct(">8s8sI")  # magic, nonce prefix, chunk size
 TAG_BYTES = 16
 MAX_CHUNK = 64 << 20
 KEY_FILE_ENV = "FLEET_WEIGHTS_KEY_FILE"
+# In a worker's environment: the numbers of the encrypted model's memfds it was handed (comma-separated).
+MEMFDS_ENV = "FLEET_SEALED_FDS"
+MAX_MEMFDS = 1024
 # The key itself in the environment is refused: /proc/PID/environ keeps it for the process's life,
 # whatever os.environ.pop does, and every worker started before the pop would inherit it.
 KEY_ENV = "FLEET_WEIGHTS_KEY"
@@ -125,19 +128,18 @@ def guard_process() -> bool:
     return True
 
 
-def held_memfds() -> list[int]:
+def held_memfds(environ: Mapping[str, str] = os.environ) -> list[int]:
     """This process's descriptors that are an encrypted model's memfds (agent/weights/unseal.py names them
-    fleet:PATH): in a worker, the ones the agent handed over."""
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return []
+    fleet:PATH): in a worker, the ones the agent handed over, at the numbers its environment names
+    (MEMFDS_ENV, which the launcher writes), each checked to be such a memfd."""
     out = []
-    for name in names:
+    for text in environ.get(MEMFDS_ENV, "").split(",")[:MAX_MEMFDS]:
+        if not (text.isascii() and text.isdigit() and len(text) <= 9):
+            continue
         try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:fleet:"):
-                out.append(int(name))
-        except OSError:  # the listing's own descriptor, closed by now
+            if os.readlink(f"/proc/self/fd/{text}").startswith("/memfd:fleet:"):
+                out.append(int(text))
+        except OSError:  # not open (any more)
             continue
     return out
 

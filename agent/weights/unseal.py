@@ -5,8 +5,8 @@ gives the engine a directory of links to them; nothing decrypted ever reaches a 
 Why the agent decrypts, not the worker: the key stays in the one process that already holds it,
 never crosses a process boundary, and is never in reach of an engine's code or its HTTP server. The
 worker inherits its own model's memfds and no other (the launcher's keep_fds), at the numbers they
-have in the agent, and the links say `NAME -> /proc/self/fd/N`, which the kernel resolves inside the
-worker, so engines load the plaintext as the files they expect: llama.cpp mmaps the GGUF straight from
+have in the agent (its environment names them: sealed.MEMFDS_ENV), and the links say
+`NAME -> /proc/self/fd/N`, which the kernel resolves inside the worker, so engines load the plaintext as the files they expect: llama.cpp mmaps the GGUF straight from
 the memfd's pages, PyTorch reads config, tokenizer and safetensors as from a directory. Another
 process following the links finds its own descriptors, not these; the agent itself is not dumpable
 once it holds a key (sealed.guard_process), so /proc/AGENT/fd is closed to other workers too. Each

@@ -204,10 +204,11 @@ def test_planned_applied_served_and_never_on_disk(sealed: Sealed) -> None:
     for server in sealed.agent.get("/v1/state").json()["servers"]:
         pid = server["pid"]
         # A worker has nothing of fleet's environment (the cluster secret, where the key is) but its
-        # credential, nothing of the key on its command line, and no core file to write plaintext to.
+        # credential and the numbers of the memfds it was handed, nothing of the key on its command
+        # line, and no core file to write plaintext to.
         fleet_vars = {v.split(b"=", 1)[0] for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                       if v.startswith(b"FLEET_")}
-        assert fleet_vars == {b"FLEET_WORKER_CREDENTIAL"}, fleet_vars
+        assert fleet_vars == {b"FLEET_WORKER_CREDENTIAL", b"FLEET_SEALED_FDS"}, fleet_vars
         assert str(sealed.key).encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
         core = [line.split()[-3:-1] for line in Path(f"/proc/{pid}/limits").read_text().splitlines()
                 if line.startswith("Max core file size")]

@@ -204,7 +204,8 @@ def test_stopped_while_decrypting_and_started_again_under_its_id(tmp_path: Path,
 
 
 PROBE = """import json, os, resource, sys
-out = {"env": sorted(k for k in os.environ if k.startswith("FLEET_")), "core": resource.getrlimit(resource.RLIMIT_CORE)}
+out = {"env": sorted(k for k in os.environ if k.startswith("FLEET_")), "core": resource.getrlimit(resource.RLIMIT_CORE),
+       "sealed_fds": os.environ.get("FLEET_SEALED_FDS")}
 for fd in map(int, sys.argv[1:]):
     try:
         out[str(fd)] = open(f"/proc/self/fd/{fd}", "rb").read().decode()
@@ -232,7 +233,9 @@ def test_a_worker_gets_its_own_memfds_and_no_fleet_variable(tmp_path: Path, monk
         os.close(mine)
         os.close(other)
     given, plain = results
-    assert given["env"] == plain["env"] == ["FLEET_WORKER_CREDENTIAL"], results
+    # Nothing of the agent's own FLEET_* settings: its credential, and the numbers of the memfds it was given.
+    assert given["env"] == ["FLEET_SEALED_FDS", "FLEET_WORKER_CREDENTIAL"] and plain["env"] == ["FLEET_WORKER_CREDENTIAL"], results
+    assert given["sealed_fds"] == str(mine), given
     assert given[str(mine)] == "my model" and given[str(other)] == "No such file or directory", given
     assert given["core"] == [0, 0]  # it holds plaintext: no core file
     assert plain[str(mine)] == "No such file or directory"

@@ -134,3 +134,18 @@ def test_any_size_round_trips_and_any_flip_is_found(plain: bytes, chunk: int, da
     bad[at] ^= data.draw(st.integers(1, 255))
     with pytest.raises(Unsealable):
         opened(bytes(bad), rel="f")
+
+
+def test_a_worker_finds_the_memfds_its_environment_names_and_only_fleet_s() -> None:
+    from agent.weights.sealed import MEMFDS_ENV, held_memfds
+
+    mine, other = os.memfd_create("fleet:model.gguf", 0), os.memfd_create("someone-else", 0)
+    closed = os.memfd_create("fleet:gone", 0)
+    os.close(closed)
+    try:
+        named = f"{mine},{other},{closed},x,-1,{'9' * 40},,{mine + 100000}"
+        assert held_memfds({MEMFDS_ENV: named}) == [mine]
+        assert held_memfds({}) == [] and held_memfds({MEMFDS_ENV: ""}) == []
+    finally:
+        os.close(mine)
+        os.close(other)
