@@ -90,8 +90,7 @@ class Launcher(Protocol):
         environment less its FLEET_* variables (worker_environment; `env` carries what must not be on
         a command line: the worker's credential); `keep_fds` are descriptors the worker inherits at
         the same numbers (an encrypted model's memfds, named in its environment: sealed.MEMFDS_ENV),
-        and such a worker never dumps core; OSError
-        if it cannot be started."""
+        and such a worker never dumps core; OSError if it cannot be started."""
 
     async def answers(self, url: str, credential: str) -> bool:
         """Whether a GET of url, sent with the worker's credential, answers 200 now (False when
@@ -203,6 +202,8 @@ class ProcessLauncher:
     def start(self, argv: Sequence[str], log: Path, env: Mapping[str, str],
               keep_fds: Sequence[int] = ()) -> PopenProcess:
         """A new process, as `launch` starts one: exec'd, not forked from the fork server."""
+        if keep_fds:
+            env = {**env, MEMFDS_ENV: ",".join(map(str, keep_fds))}
         with open(log, "ab") as out:
             # Call this from the event loop's own thread, on purpose: PR_SET_PDEATHSIG fires when the
             # *thread* that forked the child exits, and trio's open_process forks from a worker
@@ -210,7 +211,7 @@ class ProcessLauncher:
             proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     preexec_fn=_die_with_parent_no_core if keep_fds else die_with_parent,
                                     pass_fds=tuple(keep_fds),
-                                    env=_environment({**env, MEMFDS_ENV: ",".join(map(str, keep_fds))} if keep_fds else env))
+                                    env=_environment(env))
         return PopenProcess(proc)
 
     async def answers(self, url: str, credential: str) -> bool:
