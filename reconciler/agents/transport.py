@@ -300,8 +300,9 @@ _LIVE = b"\r\n" + live.HEADER.encode() + b": "
 def quiet_304(data: bytes) -> bytes | None:
     """The fleet-live value (b"" when there is none) of `data` when it is exactly a quiet heartbeat's
     whole 304 as fleet-agent writes it, for a keep-alive connection; None for anything else, which
-    AgentAnswer (llhttp) reads. Reading llhttp's way cost a quiet beat 2.2 us more an agent (~6%),
-    and both read every such answer alike (tests/unit/test_batch.py)."""
+    AgentAnswer (llhttp) reads. llhttp's way costs a quiet beat several times this one's CPU an
+    agent (bench/heartbeat, bench/RESULTS.md), and both read every such answer alike
+    (tests/unit/test_batch.py)."""
     match = _QUIET.fullmatch(data)
     if match is None:
         return None
