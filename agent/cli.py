@@ -234,6 +234,7 @@ def _piece_size(text: str) -> int | None:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from agent.weights.importing import default_name
     from agent.weights.store import Store, StoreError
 
     home = _home(args)
@@ -242,7 +243,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     except identity.NotEnrolled as exc:
         raise CannotStart(str(exc)) from None
     src = Path(args.path)
-    name = args.name or (src.stem if src.is_file() else src.resolve().name)
+    name = args.name or default_name(src)
     key = _weights_key(args)
     if args.encrypt and key is None:
         raise CannotStart("--encrypt needs this node's weights key: --key-file PATH or $FLEET_WEIGHTS_KEY_FILE "

@@ -92,10 +92,10 @@ def import_model(agent: Agent, path: Path) -> str:
     """`path` into the agent's store as `fleet-agent import` puts it there (Store.import_model), in
     this process: a process for it cost ~0.5 CPU-s of start-up, ~300 times a suite. The command
     itself is tested by test_cli_contract, test_import_json and test_import_hostile."""
+    from agent.weights.importing import default_name
     from agent.weights.store import Store
 
-    name = path.stem if path.is_file() else path.resolve().name
-    digest, _ = Store(agent.home).import_model(path, name)
+    digest, _ = Store(agent.home).import_model(path, default_name(path))
     return digest
 
 

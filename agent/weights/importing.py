@@ -109,6 +109,11 @@ def _checked(err: HeaderError) -> ImportRefused:
     return ImportRefused(err.code, str(err))
 
 
+def default_name(src: Path) -> str:
+    """The name a model is imported under when none is given: a file's stem, a directory's name."""
+    return src.stem if src.is_file() else src.resolve().name
+
+
 def import_model(store: Store, src: Path, name: str, *, link: bool = False,
              encrypt: bool = False, piece_bytes: int | None = None) -> tuple[str, dict[str, Any]]:
     """Hash and store a local model (an HF directory, or one .gguf file). With
